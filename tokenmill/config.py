@@ -1,0 +1,67 @@
+"""Configuration dataclasses: the model's shape and the engine's knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters, normalised from an HF config.json or GGUF metadata."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block size, memory budget and prefix caching."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: int | None = None  # bytes; None = a share of free memory
+    kv_cache_memory_fraction: float | None = None  # None: 0.1 of RAM on CPU, 0.8 of free memory on CUDA
+    enable_prefix_caching: bool = True
+    num_blocks: int | None = None  # overrides the memory budget (tests)
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's context length
+
+
+@dataclass
+class EngineConfig:
+    """Everything LLM(...) takes, in one place."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

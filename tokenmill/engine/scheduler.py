@@ -1,0 +1,190 @@
+"""Continuous batching: every step, decide which tokens of which requests to compute.
+
+Running requests go first (their next token, or their next prefill chunk); then waiting
+requests are admitted while the token budget, max_num_seqs and free blocks allow. When
+blocks run out, the most recently admitted running request is preempted: its blocks are
+freed and it goes back to the head of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from tokenmill.errors import RequestTooLongError
+from tokenmill.layers.sampler import SampledToken, SamplingSpec
+from tokenmill.outputs import Logprob
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch."""
+
+    def __init__(self, config: SchedulerConfig, max_model_len: int, kv_cache: KVCacheManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestTooLongError if such a request could never be served."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len})",
+                param="max_tokens",
+            )
+        needed = self.kv_cache.blocks_needed(total)
+        if needed > self.kv_cache.pool.num_blocks:
+            raise RequestTooLongError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks "
+                f"but the cache holds only {self.kv_cache.pool.num_blocks}",
+                param="max_tokens",
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request.num_prompt_tokens, request.max_tokens)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                output.sequences.append(self._scheduled(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing behind it can run either
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            leader = request.prefill_leader
+            if leader is not None and not leader.is_finished and not leader.is_prefill_done:
+                break  # wait one step or two so the siblings can share the prompt's blocks
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.time()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.sequences.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return output
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        samples = start + num_new == request.num_tokens
+        sampling = None
+        if samples:
+            params = request.sampling_params
+            stop_ids = list(request.eos_token_ids) + params.stop_token_ids if params.min_tokens else []
+            sampling = SamplingSpec(params, request.seed, request.prompt_token_ids, request.output_token_ids, stop_ids)
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache.block_ids(request.request_id),
+            sampling=sampling,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[Request]:
+        """Advance each scheduled request; returns those that got a new token (finished ones included)."""
+        now = time.time()
+        sampled_iter = iter(sampled)
+        updated = []
+        for seq in output.sequences:
+            request = self.requests[seq.request_id]
+            request.num_computed_tokens += len(seq.token_ids)
+            if seq.sampling is None:
+                continue
+            token = next(sampled_iter)
+            request.append_output_token(token.token_id)
+            if request.logprobs is not None:
+                request.logprobs.append(_logprob_entry(token))
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            self._check_stop(request, token.token_id)
+            updated.append(request)
+        for request in updated:
+            if request.is_finished:
+                self._remove(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
+                return
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    # ---- leaving -----------------------------------------------------------------------------
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End a request now (abort, or a stop string found by the detokenizer); frees its blocks."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return
+        request.status = status
+        request.stop_reason = stop_reason
+        self._remove(request)
+
+    def _remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.metrics.finished_time = time.time()
+        del self.requests[request.request_id]
+
+
+def _logprob_entry(token: SampledToken) -> dict[int, Logprob]:
+    entry = {token.token_id: Logprob(token.logprob, token.rank)}
+    for rank, (token_id, logprob) in enumerate(token.top_logprobs or [], start=1):
+        if token_id not in entry:
+            entry[token_id] = Logprob(logprob, rank)
+    return entry

@@ -1,0 +1,38 @@
+"""Typed errors. Each user-facing error carries the HTTP status and OpenAI error type
+the server will answer with, so every layer raises the same thing."""
+
+from __future__ import annotations
+
+
+class TokenmillError(Exception):
+    """Base class of every error tokenmill raises on purpose."""
+
+    http_status: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidParameterError(TokenmillError, ValueError):
+    """A sampling or request parameter is out of its allowed range."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class RequestTooLongError(InvalidParameterError):
+    """Prompt plus max_tokens can never fit (max_model_len or the KV pool)."""
+
+
+class ModelLoadError(TokenmillError):
+    """A model could not be found, parsed or is of an unsupported kind."""
+
+    http_status = 500
+    error_type = "model_load_error"
+
+
+class DefaultModelMissingError(ModelLoadError):
+    """The default model package is not installed."""

@@ -1,0 +1,76 @@
+"""Rotary position embeddings (rotate-half layout) with default, linear and llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from tokenmill.errors import ModelLoadError
+
+
+def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] for the given rope_scaling dict (HF's keys)."""
+    inv_freq = _base_inv_freq(head_dim, theta)
+    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":  # llama.cpp stores llama3 scaling as per-frequency divisors
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    raise ModelLoadError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embeddings to q and k at arbitrary (ragged) positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.register_buffer("cos_cache", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0), persistent=False)
+
+    def build_cache(self, device: torch.device) -> None:
+        """Compute the float32 cos/sin tables (the model is built on `meta`, so this runs after)."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.cos_cache = emb.cos().to(device)
+        self.sin_cache = emb.sin().to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,142 @@
+"""Read a llama.cpp GGUF file: config from metadata, tensors dequantized via `gguf`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import ModelLoadError
+from tokenmill.models.registry import GGUF_PERMUTED_QK, resolve_architecture
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFFile:
+    """An opened GGUF file; raises ModelLoadError if it is not a readable GGUF."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
+            raise ModelLoadError(f"{path.name} is not a readable GGUF file: {exc}") from exc
+        self.tensor_names = {t.name for t in self.reader.tensors}
+
+    def metadata(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path.name}: unreadable metadata {key}: {exc}") from exc
+
+    def model_config(self) -> ModelConfig:
+        arch_name = self.metadata("general.architecture")
+        arch = resolve_architecture(arch_name)
+
+        def field(suffix: str, default=None):
+            value = self.metadata(f"{arch_name}.{suffix}", default)
+            if value is None:
+                raise ModelLoadError(f"{self.path.name} lacks metadata {arch_name}.{suffix}")
+            return value
+
+        num_heads = int(field("attention.head_count"))
+        hidden = int(field("embedding_length"))
+        vocab = self.metadata(f"{arch_name}.vocab_size")
+        if vocab is None:
+            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+            vocab = len(tokens.data) if tokens is not None else 0
+        rope_scaling = None
+        if "rope_freqs.weight" in self.tensor_names:
+            factors = self._tensor("rope_freqs.weight").tolist()
+            rope_scaling = {"rope_type": "freq_factors", "factors": factors}
+        eos = self.metadata("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(field("feed_forward_length")),
+            num_hidden_layers=int(field("block_count")),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(field("attention.head_count_kv", num_heads)),
+            head_dim=int(field("attention.key_length", hidden // num_heads)),
+            rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(field("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(field("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in self.tensor_names,
+            qk_norm=arch == "qwen3",
+            bos_token_id=self.metadata("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[] if eos is None else [int(eos)],
+        )
+
+    def _tensor(self, name: str) -> np.ndarray:
+        import gguf
+
+        for t in self.reader.tensors:
+            if t.name == name:
+                try:
+                    array = gguf.quants.dequantize(t.data, t.tensor_type)
+                except Exception as exc:
+                    raise ModelLoadError(f"cannot dequantize {name} ({t.tensor_type.name}): {exc}") from exc
+                return array.reshape([int(d) for d in reversed(t.shape)])
+        raise ModelLoadError(f"{self.path.name} has no tensor {name}")
+
+    def iter_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, float32 tensor) with llama.cpp's Q/K permutation undone."""
+        for t in self.reader.tensors:
+            if t.name == "rope_freqs.weight":
+                continue
+            hf_name = _hf_name(t.name)
+            if hf_name is None:
+                raise ModelLoadError(f"unexpected tensor {t.name!r} in {self.path.name}")
+            tensor = torch.from_numpy(np.array(self._tensor(t.name), dtype=np.float32, copy=True))
+            if config.architecture in GGUF_PERMUTED_QK:
+                if hf_name.endswith("q_proj.weight"):
+                    tensor = _unpermute(tensor, config.num_attention_heads)
+                elif hf_name.endswith("k_proj.weight"):
+                    tensor = _unpermute(tensor, config.num_key_value_heads)
+            yield hf_name, tensor
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.N.attn_q.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's per-head interleaving of the rotary halves (rows of Q or K)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )

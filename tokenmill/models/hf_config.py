@@ -1,0 +1,77 @@
+"""HF config.json (+ generation_config.json) -> ModelConfig."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import ModelLoadError
+from tokenmill.models.registry import resolve_architecture
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def load_hf_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json")
+    cfg = _read_json(path)
+    archs = cfg.get("architectures") or [cfg.get("model_type")]
+    arch = resolve_architecture(archs[0])
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError("mlp_bias=true is not supported")
+    # transformers 5 writes rope settings under rope_parameters; older configs use rope_theta/rope_scaling.
+    rope_params = cfg.get("rope_parameters") or {}
+    rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = rope_params
+    eos = _as_list(cfg.get("eos_token_id"))
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos += [t for t in _as_list(_read_json(gen_path).get("eos_token_id")) if t not in eos]
+    sliding_window = cfg.get("sliding_window")
+    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        sliding_window = None
+    try:
+        num_heads = cfg["num_attention_heads"]
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            sliding_window=sliding_window,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{path} lacks required field {exc.args[0]!r}") from exc

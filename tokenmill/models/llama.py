@@ -1,0 +1,144 @@
+"""Decoder-only transformer covering Llama, Mistral, Qwen2 and Qwen3.
+
+The families differ only in flags of ModelConfig: bias on q/k/v (Qwen2), per-head
+q/k RMSNorm (Qwen3), tied embeddings. Q/K/V and gate/up projections are fused into
+one matmul each; load_weights maps HF checkpoint names onto the fused weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import ModelLoadError
+from tokenmill.layers.attention import AttentionContext
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_bias = config.attention_bias or config.architecture == "qwen2"
+        o_bias = config.attention_bias and config.architecture != "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        # x: [T, hidden]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.attend(self.layer_index, q, k, v.contiguous(), self.scale)  # [T, num_heads * head_dim]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Module):
+    """Embeddings -> decoder layers -> norm; logits only for the rows asked for."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, hidden]
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> float32 logits [N, vocab]
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; every one must be filled."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy
+            target, offset = _fused_target(name, self.config)
+            if target not in params:
+                raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
+            param = params[target]
+            rows = tensor.shape[0]
+            dest = param.data if offset is None else param.data.narrow(0, offset, rows)
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + (rows if offset is not None else param.shape[0])
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+
+def _fused_target(name: str, config: ModelConfig) -> tuple[str, int | None]:
+    """Map an HF parameter name to (our parameter name, row offset into the fused weight)."""
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    fused = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", q_size),
+        "v_proj": ("qkv_proj", q_size + kv_size),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", config.intermediate_size),
+    }
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in fused:
+            new, offset = fused[part]
+            return ".".join(parts[:i] + [new] + parts[i + 1 :]), offset
+    return name, None

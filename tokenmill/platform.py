@@ -1,0 +1,89 @@
+"""Device and dtype choice: the one place that knows what hardware we run on."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenmill.errors import InvalidParameterError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """"auto" picks CUDA when present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise InvalidParameterError(f"unknown device {device!r}", param="device") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameterError("device 'cuda' asked for but CUDA is not available", param="device")
+    return resolved
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 on CUDA and on CPUs with native bf16, float32 otherwise."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise InvalidParameterError(f"unsupported dtype {dtype}", param="dtype")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidParameterError(
+            f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}", param="dtype"
+        )
+    return _DTYPES[dtype]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device (CUDA) or available RAM (CPU)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def set_cpu_threads() -> None:
+    """One intra-op thread per physical core (hyper-threads slow GEMMs down),
+    unless the user pinned OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores: set[tuple[str, str]] = set()
+    physical_id = "0"
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    physical_id = line.split(":", 1)[1].strip()
+                elif line.startswith("core id"):
+                    cores.add((physical_id, line.split(":", 1)[1].strip()))
+    except OSError:
+        return
+    if cores:
+        torch.set_num_threads(len(cores))

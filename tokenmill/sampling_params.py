@@ -1,0 +1,99 @@
+"""SamplingParams: what a user may ask of one generation, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.errors import InvalidParameterError
+
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request (vLLM's names and defaults).
+
+    temperature 0 means greedy. max_tokens None means "up to max_model_len".
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def _validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidParameterError:
+            return InvalidParameterError(f"{param} {why}, got {getattr(self, param)!r}", param=param)
+
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", "must be in [0, 2]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+            raise bad("top_k", "must be -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "must be in (0, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be a positive integer")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be a non-negative integer")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            raise bad("logit_bias", "values must be in [-100, 100]")

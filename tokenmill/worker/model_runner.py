@@ -1,0 +1,70 @@
+"""ModelRunner: the only place a SchedulerOutput becomes tensors, logits and tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.engine.scheduler_output import SchedulerOutput
+from tokenmill.layers.attention import AttentionBackend, AttentionContext, TorchPagedAttention, build_attention_metadata
+from tokenmill.layers.sampler import SampledToken, sample
+from tokenmill.models.llama import DecoderForCausalLM
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+
+
+class ModelRunner:
+    """Holds the model and the KV cache tensors; runs one forward + sampling per step."""
+
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        config = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.num_query_groups = config.num_query_groups
+        self.backend = backend or TorchPagedAttention()
+        # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; zeroed so that unwritten
+        # slots gathered with a block are finite (masked, but NaN * 0 would still poison softmax).
+        shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
+        """Run one step; returns one sampled token per sequence that samples, in order."""
+        seqs = scheduler_output.sequences
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
+        metadata = build_attention_metadata(
+            query_lens=[len(s.token_ids) for s in seqs],
+            context_lens=[s.num_computed_tokens for s in seqs],
+            block_tables=[s.block_ids for s in seqs],
+            block_size=self.block_size,
+            num_query_groups=self.num_query_groups,
+            device=self.device,
+        )
+        ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
+        hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
+
+        sample_rows, specs, end = [], [], 0
+        for s in seqs:
+            end += len(s.token_ids)
+            if s.sampling is not None:
+                sample_rows.append(end - 1)
+                specs.append(s.sampling)
+        if not specs:
+            return []
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+        return sample(logits, specs)
