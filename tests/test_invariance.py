@@ -1,0 +1,77 @@
+"""Same greedy tokens however the work is batched: alone, together, chunked, prefix hits, preemption."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+SHARED = "Once upon a time, in a kingdom by the sea, there lived a king who loved numbers more than gold. "
+PROMPTS = [
+    SHARED + "Every morning he counted",
+    SHARED + "His daughter, however, preferred",
+    "A completely different prompt about rivers and mountains and the weather in spring",
+    "Short",
+    SHARED * 3 + "And so the story goes on and on",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Each prompt run alone, without prefix caching."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    return [_tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS]
+
+
+def test_all_together(tiny_llama_dir, reference):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+
+
+def test_chunked_prefill(tiny_llama_dir, reference):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=7)
+    assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+
+
+def test_prefix_cache_hits(tiny_llama_dir, reference):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128)
+    first = _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+    hits_before = llm.stats().kv_cache.prefix_cache_hits
+    rest = _tokens(llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False))
+    stats = llm.stats().kv_cache
+    assert stats.prefix_cache_hits - hits_before >= 32  # the shared prefix spans at least two blocks
+    again = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))  # everything cached now
+    assert first + rest == reference
+    assert again == reference
+    assert stats.num_used_blocks == 0
+
+
+def test_preemption(tiny_llama_dir, reference):
+    # Each prompt needs up to 10 blocks to finish; 14 blocks cannot hold them all at once.
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, enable_prefix_caching=False)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert any(o.metrics.num_preemptions > 0 for o in outputs)
+    assert _tokens(outputs) == reference
+    assert llm.stats().kv_cache.num_used_blocks == 0
+
+
+def test_preemption_with_prefix_cache_and_chunking(tiny_llama_dir, reference):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=9)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.stats().num_preemptions > 0
+    assert _tokens(outputs) == reference
+
+
+@pytest.mark.slow
+def test_default_model_batch_equals_alone(default_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    prompts = ["The three primary colours are", "Water boils at", "A haiku about the sea:\n"]
+    together = _tokens(default_llm.generate(prompts, params, use_tqdm=False))
+    alone = [_tokens(default_llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+    assert together == alone

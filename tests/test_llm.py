@@ -1,0 +1,107 @@
+"""The offline API: prompt forms, n, stop strings, logprobs, timings, chat, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams, __version__
+from tokenmill.errors import InvalidParameterError, RequestTooLongError
+
+
+def test_prompt_forms_and_output_shape(tiny_llm):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    text = tiny_llm.generate("Hello there", params, use_tqdm=False)
+    ids = tiny_llm.get_tokenizer()("Hello there")["input_ids"]
+    by_ids = tiny_llm.generate(ids, params, use_tqdm=False)
+    batch = tiny_llm.generate(["Hello there", ids], params, use_tqdm=False)
+    assert len(text) == len(by_ids) == 1 and len(batch) == 2
+    out = text[0]
+    assert out.prompt == "Hello there" and out.prompt_token_ids == ids and out.finished
+    completion = out.outputs[0]
+    assert len(completion.token_ids) == 5 and completion.finish_reason == "length"
+    assert completion.text == tiny_llm.get_tokenizer().decode(completion.token_ids, skip_special_tokens=True)
+    assert by_ids[0].outputs[0].token_ids == completion.token_ids == batch[1].outputs[0].token_ids
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert __version__
+
+
+def test_outputs_in_prompt_order_with_per_prompt_params(tiny_llm):
+    prompts = ["a b c", "d e f g h", "i"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 2, 4)]
+    outputs = tiny_llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [7, 2, 4]
+    assert [o.prompt for o in outputs] == prompts
+
+
+def test_n_parallel_samples(tiny_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    out = tiny_llm.generate("The prompt is long enough to fill at least one KV block of sixteen tokens", params,
+                            use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different samples
+    assert tiny_llm.stats().kv_cache.num_used_blocks == 0
+
+
+def test_stop_strings_and_stop_token_ids(tiny_llm):
+    base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = tiny_llm.generate("Count with me", base, use_tqdm=False)[0].outputs[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    assert stop.strip()
+    cut = tiny_llm.generate(
+        "Count with me", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)] and stop not in cut.text
+    token = full.token_ids[3]
+    by_id = tiny_llm.generate(
+        "Count with me", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[token]), use_tqdm=False
+    )[0].outputs[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == token
+    assert by_id.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+
+
+def test_logprobs(tiny_llm):
+    out = tiny_llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids)
+    for token_id, entry in zip(completion.token_ids, completion.logprobs):
+        assert entry[token_id].rank == 1  # greedy picks the most likely token
+        assert len(entry) == 3 and all(lp.logprob <= 0 and lp.decoded_token is not None for lp in entry.values())
+
+
+def test_invalid_requests_raise_and_leave_nothing_queued(tiny_llm):
+    with pytest.raises(RequestTooLongError, match="exceeds max_model_len"):
+        tiny_llm.generate(["fine", "too long"], SamplingParams(max_tokens=10_000), use_tqdm=False)
+    with pytest.raises(InvalidParameterError, match="empty"):
+        tiny_llm.generate([[]], use_tqdm=False)
+    with pytest.raises(InvalidParameterError, match="token ids"):
+        tiny_llm.generate([[10**9]], use_tqdm=False)
+    with pytest.raises(InvalidParameterError, match="2 SamplingParams for 1 prompts"):
+        tiny_llm.generate(["x"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_chat_applies_template(tiny_llm):
+    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]]
+    outputs = tiny_llm.chat(conversations, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(outputs) == 2
+    assert "<|im_start|>user\nHi<|im_end|>" in outputs[0].prompt
+    assert outputs[0].prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_abort_frees_blocks(tiny_llm):
+    engine = tiny_llm.engine
+    engine.add_request("to-abort", "Some prompt to start generating from", SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.stats().kv_cache.num_used_blocks > 0
+    final = engine.abort_request("to-abort")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert engine.stats().kv_cache.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_bad_engine_arguments(tiny_llama_dir):
+    with pytest.raises(InvalidParameterError, match="dtype"):
+        LLM(model=str(tiny_llama_dir), dtype="float64")
+    with pytest.raises(InvalidParameterError, match="smaller than one KV block"):
+        LLM(model=str(tiny_llama_dir), kv_cache_memory=10)

