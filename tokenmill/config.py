@@ -41,7 +41,7 @@ class CacheConfig:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None  # bytes; None = a share of free memory
-    kv_cache_memory_fraction: float | None = None  # None: 0.1 of RAM on CPU, 0.8 of free memory on CUDA
+    kv_cache_memory_fraction: float | None = None  # None: 0.05 of RAM on CPU, 0.8 of free memory on CUDA
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides the memory budget (tests)
 

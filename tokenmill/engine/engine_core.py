@@ -21,7 +21,7 @@ from tokenmill.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.8}
+_DEFAULT_KV_FRACTION = {"cpu": 0.05, "cuda": 0.8}
 
 
 @dataclass
