@@ -35,8 +35,10 @@ def _our_logits(loaded, prompts_ids: list[list[int]], split: int | None = None) 
     config, block_size = loaded.config, 16
     blocks_per_seq = max(len(p) for p in prompts_ids) // block_size + 1
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts_ids))]
-    kv = torch.zeros(config.num_hidden_layers, 2, blocks_per_seq * len(prompts_ids), block_size,
-                     config.num_key_value_heads, config.head_dim, dtype=loaded.model.embed_tokens.weight.dtype)
+    dtype = loaded.model.embed_tokens.weight.dtype
+    num_blocks = blocks_per_seq * len(prompts_ids)
+    kv = torch.zeros(config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size,
+                     config.head_dim, dtype=dtype)
     kv_caches = [(layer[0], layer[1]) for layer in kv]
     chunks = [[(0, p)] if split is None else [(0, p[:split]), (split, p[split:])] for p in prompts_ids]
     per_prompt: list[list[torch.Tensor]] = [[] for _ in prompts_ids]
@@ -44,7 +46,8 @@ def _our_logits(loaded, prompts_ids: list[list[int]], split: int | None = None) 
         batch = [chunks[i][round_] for i in range(len(prompts_ids))]
         metadata = build_attention_metadata(
             query_lens=[len(ids) for _, ids in batch], context_lens=[start for start, _ in batch],
-            block_tables=tables, block_size=block_size, num_query_groups=config.num_query_groups,
+            block_tables=tables, block_size=block_size, num_blocks=num_blocks,
+            num_kv_heads=config.num_key_value_heads, num_query_groups=config.num_query_groups, dtype=dtype,
             device=torch.device("cpu"),
         )
         ctx = AttentionContext(TorchPagedAttention(), metadata, kv_caches)

@@ -1,13 +1,17 @@
 """Paged attention over a ragged batch.
 
-Every sequence in a step contributes its new tokens (a prefill chunk or one decode
-token). Their keys/values are written into the block-paged KV cache through the
-slot mapping; then each new token attends causally to everything its sequence has
-cached. Sequences are padded into at most two buckets (decodes, q_len == 1, and
-prefill chunks) so a long prefill does not pad every decode to its length.
+Every sequence in a step contributes its new tokens (a prefill chunk or one decode token).
+Their keys/values are written into the block-paged KV cache through the slot mapping; then
+each new token attends causally to everything its sequence has cached. Sequences are padded
+into at most two buckets (decodes, q_len == 1, and prefill chunks) so a long prefill does not
+pad every decode to its length.
 
-The metadata is built once per step and shared by all layers. A backend only has
-to implement `forward`; faster kernels can replace `TorchPagedAttention`.
+Cache layout per layer: [num_kv_heads, num_blocks, block_size, head_dim] for K and for V. With
+KV heads outermost, gathering a bucket's blocks with one index_select yields keys already laid
+out as [kv_heads * batch, context, head_dim], ready for batched matmuls without a transpose copy.
+
+The metadata is built once per step and shared by all layers. A backend only has to implement
+`forward`; faster kernels can replace `TorchPagedAttention`.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import torch.nn.functional as F
 class AttentionBucket:
     """Sequences padded to a common query length and a common context length."""
 
+    is_decode: bool  # every query length is 1
     query_index: torch.Tensor  # [B, Q] flat index of each query token (padding -> 0)
     token_index: torch.Tensor  # [num_valid] flat index of each real query, in row-major (b, i) order
     valid: torch.Tensor  # [B, Q] bool, real query tokens
-    block_tables: torch.Tensor  # [B, max_blocks] (padding -> the sequence's first block)
-    attn_mask: torch.Tensor  # [B, 1, Q * num_query_groups, max_blocks * block_size] bool
+    gather_index: torch.Tensor  # [kv_heads * B * max_blocks] rows of the cache viewed as [kv_heads * num_blocks, -1]
+    context_len: int  # max_blocks * block_size
+    attn_mask: torch.Tensor  # decode: additive [kv_heads * B, 1, L]; prefill: bool [1, B, Q * groups, L]
 
 
 @dataclass
@@ -35,7 +41,7 @@ class AttentionMetadata:
     """What every attention layer needs for one step."""
 
     positions: torch.Tensor  # [T] position of each new token in its sequence
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    write_index: torch.Tensor  # [kv_heads * T] rows of the cache viewed as [kv_heads * num_slots, head_dim]
     buckets: list[AttentionBucket]
     num_tokens: int
 
@@ -45,7 +51,10 @@ def build_attention_metadata(
     context_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
+    num_blocks: int,
+    num_kv_heads: int,
     num_query_groups: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens lie back to back in the flat batch.
@@ -60,51 +69,66 @@ def build_attention_metadata(
     positions = torch.arange(num_tokens) - query_starts[seq_ids] + ctx_lens[seq_ids]
     max_blocks = max(len(t) for t in block_tables)
     table = torch.tensor([t + [t[0]] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64)
-    slot_mapping = table[seq_ids, positions // block_size] * block_size + positions % block_size
+    slots = table[seq_ids, positions // block_size] * block_size + positions % block_size
+    head_offsets = torch.arange(num_kv_heads)[:, None]
+    write_index = (head_offsets * (num_blocks * block_size) + slots[None, :]).flatten()
 
     is_decode = q_lens == 1
     buckets = []
-    for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten()):
-        if len(members) == 0:
-            continue
-        buckets.append(
-            _build_bucket(members, q_lens, ctx_lens, query_starts, table, block_size, num_query_groups, device)
-        )
+    for decode, members in ((True, torch.nonzero(is_decode).flatten()), (False, torch.nonzero(~is_decode).flatten())):
+        if len(members):
+            buckets.append(
+                _build_bucket(decode, members, q_lens, ctx_lens, query_starts, table, block_size, num_blocks,
+                              num_kv_heads, num_query_groups, dtype, device)
+            )
     return AttentionMetadata(
-        positions=positions.to(device), slot_mapping=slot_mapping.to(device), buckets=buckets, num_tokens=num_tokens
+        positions=positions.to(device), write_index=write_index.to(device), buckets=buckets, num_tokens=num_tokens
     )
 
 
 def _build_bucket(
+    is_decode: bool,
     members: torch.Tensor,
     q_lens: torch.Tensor,
     ctx_lens: torch.Tensor,
     query_starts: torch.Tensor,
     table: torch.Tensor,
     block_size: int,
+    num_blocks: int,
+    num_kv_heads: int,
     num_query_groups: int,
+    dtype: torch.dtype,
     device: torch.device,
 ) -> AttentionBucket:
+    batch = len(members)
     b_q_lens = q_lens[members]
     b_ctx = ctx_lens[members]
     b_seq_lens = b_q_lens + b_ctx
     max_q = int(b_q_lens.max())
-    num_blocks = int((b_seq_lens.max() + block_size - 1) // block_size)
-    max_kv = num_blocks * block_size
+    bucket_blocks = int((b_seq_lens.max() + block_size - 1) // block_size)
+    context_len = bucket_blocks * block_size
     offsets = torch.arange(max_q)
     valid = offsets[None, :] < b_q_lens[:, None]  # [B, Q]
     query_index = torch.where(valid, query_starts[members][:, None] + offsets[None, :], 0)
+    head_offsets = torch.arange(num_kv_heads)[:, None, None] * num_blocks
+    gather_index = (head_offsets + table[members, :bucket_blocks][None]).flatten()
     # Query i of a sequence sits at position ctx + i and sees keys 0..ctx+i (and no padding).
     # Padding queries see key 0 only, so no row of the mask is empty (an empty row gives NaN).
-    kv_pos = torch.arange(max_kv)
+    kv_pos = torch.arange(context_len)
     q_pos = torch.where(valid, b_ctx[:, None] + offsets[None, :], 0)
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < b_seq_lens[:, None, None])
-    mask = mask.repeat_interleave(num_query_groups, dim=1).unsqueeze(1)  # [B, 1, Q*G, max_kv]
+    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < b_seq_lens[:, None, None])
+    if is_decode:  # additive bias [kv_heads * B, 1, L]
+        bias = torch.zeros(batch, context_len).masked_fill(~allowed[:, 0], float("-inf")).to(dtype)
+        mask = bias[None].expand(num_kv_heads, batch, context_len).reshape(num_kv_heads * batch, 1, context_len)
+    else:  # boolean [1, B, Q * groups, L]
+        mask = allowed.repeat_interleave(num_query_groups, dim=1).unsqueeze(0)
     return AttentionBucket(
+        is_decode=is_decode,
         query_index=query_index.to(device),
         token_index=query_index[valid].to(device),
         valid=valid.to(device),
-        block_tables=table[members, :num_blocks].contiguous().to(device),
+        gather_index=gather_index.to(device),
+        context_len=context_len,
         attn_mask=mask.to(device),
     )
 
@@ -125,43 +149,48 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Pure-PyTorch paged attention (CPU and CUDA), built on scaled_dot_product_attention."""
+    """Pure-PyTorch paged attention (CPU and CUDA): batched matmuls for decodes, SDPA for prefills."""
 
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size, head_dim]
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
         num_heads = q.shape[1]
         groups = num_heads // num_kv_heads
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        k_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, k.transpose(0, 1).reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, v.transpose(0, 1).reshape(-1, head_dim))
+        k_rows = k_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
+        v_rows = v_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
         out = q.new_empty(metadata.num_tokens, num_heads * head_dim)
-        k_blocks = k_cache.view(num_blocks, -1)
-        v_blocks = v_cache.view(num_blocks, -1)
         for bucket in metadata.buckets:
             batch, max_q = bucket.query_index.shape
-            max_kv = bucket.block_tables.shape[1] * block_size
-            flat_tables = bucket.block_tables.flatten()
-            # keys/values: [B, num_kv_heads, max_kv, head_dim]
-            keys = k_blocks.index_select(0, flat_tables).view(batch, max_kv, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_blocks.index_select(0, flat_tables).view(batch, max_kv, num_kv_heads, head_dim).transpose(1, 2)
-            # Fold the query heads sharing a KV head into the query axis: [B, kv_heads, Q * groups, head_dim]
-            queries = (
-                q[bucket.query_index]
-                .view(batch, max_q, num_kv_heads, groups, head_dim)
-                .permute(0, 2, 1, 3, 4)
-                .reshape(batch, num_kv_heads, max_q * groups, head_dim)
-            )
-            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.attn_mask, scale=scale)
-            attn = attn.view(batch, num_kv_heads, max_q, groups, head_dim).permute(0, 2, 1, 3, 4)
-            out[bucket.token_index] = attn.reshape(batch, max_q, num_heads * head_dim)[bucket.valid]
+            # keys/values: [kv_heads, B, L, head_dim], contiguous
+            keys = k_rows.index_select(0, bucket.gather_index).view(num_kv_heads, batch, bucket.context_len, head_dim)
+            values = v_rows.index_select(0, bucket.gather_index).view(num_kv_heads, batch, bucket.context_len, head_dim)
+            if bucket.is_decode:
+                # queries: [kv_heads * B, groups, head_dim]
+                queries = q[bucket.query_index[:, 0]].view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
+                queries = queries.reshape(num_kv_heads * batch, groups, head_dim)
+                keys = keys.view(num_kv_heads * batch, bucket.context_len, head_dim)
+                scores = torch.baddbmm(bucket.attn_mask, queries, keys.transpose(1, 2), alpha=scale)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                attn = torch.bmm(probs, values.view(num_kv_heads * batch, bucket.context_len, head_dim))
+                out[bucket.token_index] = attn.view(num_kv_heads, batch, num_heads // num_kv_heads * head_dim) \
+                    .transpose(0, 1).reshape(batch, num_heads * head_dim)
+            else:
+                # queries: [kv_heads, B, Q * groups, head_dim]; SDPA sees kv_heads as batch, B as heads
+                queries = q[bucket.query_index].view(batch, max_q, num_kv_heads, groups, head_dim)
+                queries = queries.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, batch, max_q * groups, head_dim)
+                attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.attn_mask, scale=scale)
+                attn = attn.view(num_kv_heads, batch, max_q, groups, head_dim).permute(1, 2, 0, 3, 4)
+                out[bucket.token_index] = attn.reshape(batch, max_q, num_heads * head_dim)[bucket.valid]
         return out
 
 

@@ -62,15 +62,19 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = emb.cos().to(device)
         self.sin_cache = emb.sin().to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for one step, shared by every layer: ([T, 1, head_dim], [T, 1, head_dim]).
+
+        The sine comes with the sign of rotate-half folded in, so that applying the rotation is
+        x * cos + roll(x, head_dim / 2) * sin.
+        """
+        half = self.head_dim // 2
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] rotated by the tables from RotaryEmbedding.cos_sin."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin

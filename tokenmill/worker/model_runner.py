@@ -9,6 +9,7 @@ from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.layers.attention import AttentionBackend, AttentionContext, TorchPagedAttention, build_attention_metadata
 from tokenmill.layers.sampler import SampledToken, sample
 from tokenmill.models.llama import DecoderForCausalLM
+from tokenmill.platform import cpu_matmul_kernels
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -32,12 +33,15 @@ class ModelRunner:
         config = model.config
         self.model = model
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_kv_heads = config.num_key_value_heads
         self.num_query_groups = config.num_query_groups
         self.backend = backend or TorchPagedAttention()
-        # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]; zeroed so that unwritten
+        # [layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim]; zeroed so that unwritten
         # slots gathered with a block are finite (masked, but NaN * 0 would still poison softmax).
-        shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
@@ -51,11 +55,15 @@ class ModelRunner:
             context_lens=[s.num_computed_tokens for s in seqs],
             block_tables=[s.block_ids for s in seqs],
             block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            num_kv_heads=self.num_kv_heads,
             num_query_groups=self.num_query_groups,
+            dtype=self.dtype,
             device=self.device,
         )
         ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
-        hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
+        with cpu_matmul_kernels(len(input_ids), self.dtype, self.device):
+            hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
 
         sample_rows, specs, end = [], [], 0
         for s in seqs:
@@ -66,5 +74,6 @@ class ModelRunner:
         if not specs:
             return []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+        with cpu_matmul_kernels(len(rows), self.dtype, self.device):
+            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
         return sample(logits, specs)
