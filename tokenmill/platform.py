@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -89,20 +88,3 @@ def set_cpu_threads() -> None:
     if cores:
         torch.set_num_threads(len(cores))
 
-
-@contextlib.contextmanager
-def cpu_matmul_kernels(num_rows: int, dtype: torch.dtype, device: torch.device):
-    """Pick the faster CPU kernel for half-precision matmuls with `num_rows` activation rows.
-
-    oneDNN is ~2x slower than ATen's own kernel for bf16/fp16 matrix-vector products (1-2 rows,
-    single-stream decode) but far faster for real matrices, so it is switched off for tiny batches.
-    """
-    if device.type != "cpu" or dtype == torch.float32 or num_rows > 2:
-        yield
-        return
-    previous = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = previous

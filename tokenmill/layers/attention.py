@@ -28,12 +28,13 @@ class AttentionBucket:
     """Sequences padded to a common query length and a common context length."""
 
     is_decode: bool  # every query length is 1
+    covers_batch: bool  # the bucket is the whole step, in order: no gather/scatter of queries needed
     query_index: torch.Tensor  # [B, Q] flat index of each query token (padding -> 0)
     token_index: torch.Tensor  # [num_valid] flat index of each real query, in row-major (b, i) order
     valid: torch.Tensor  # [B, Q] bool, real query tokens
     gather_index: torch.Tensor  # [kv_heads * B * max_blocks] rows of the cache viewed as [kv_heads * num_blocks, -1]
     context_len: int  # max_blocks * block_size
-    attn_mask: torch.Tensor  # decode: additive [kv_heads * B, 1, L]; prefill: bool [1, B, Q * groups, L]
+    attn_mask: torch.Tensor  # additive; decode: [kv_heads * B, 1, L], prefill: [1, B, Q * groups, L]
 
 
 @dataclass
@@ -77,10 +78,10 @@ def build_attention_metadata(
     buckets = []
     for decode, members in ((True, torch.nonzero(is_decode).flatten()), (False, torch.nonzero(~is_decode).flatten())):
         if len(members):
-            buckets.append(
-                _build_bucket(decode, members, q_lens, ctx_lens, query_starts, table, block_size, num_blocks,
-                              num_kv_heads, num_query_groups, dtype, device)
-            )
+            bucket = _build_bucket(decode, members, q_lens, ctx_lens, query_starts, table, block_size, num_blocks,
+                                   num_kv_heads, num_query_groups, dtype, device)
+            bucket.covers_batch = decode and len(members) == len(query_lens)
+            buckets.append(bucket)
     return AttentionMetadata(
         positions=positions.to(device), write_index=write_index.to(device), buckets=buckets, num_tokens=num_tokens
     )
@@ -117,13 +118,14 @@ def _build_bucket(
     kv_pos = torch.arange(context_len)
     q_pos = torch.where(valid, b_ctx[:, None] + offsets[None, :], 0)
     allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < b_seq_lens[:, None, None])
-    if is_decode:  # additive bias [kv_heads * B, 1, L]
-        bias = torch.zeros(batch, context_len).masked_fill(~allowed[:, 0], float("-inf")).to(dtype)
-        mask = bias[None].expand(num_kv_heads, batch, context_len).reshape(num_kv_heads * batch, 1, context_len)
-    else:  # boolean [1, B, Q * groups, L]
-        mask = allowed.repeat_interleave(num_query_groups, dim=1).unsqueeze(0)
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))  # [B, Q, L]
+    if is_decode:  # [kv_heads * B, 1, L]
+        mask = bias[None].expand(num_kv_heads, batch, 1, context_len).reshape(num_kv_heads * batch, 1, context_len)
+    else:  # [1, B, Q * groups, L]
+        mask = bias.repeat_interleave(num_query_groups, dim=1).unsqueeze(0)
     return AttentionBucket(
         is_decode=is_decode,
+        covers_batch=False,
         query_index=query_index.to(device),
         token_index=query_index[valid].to(device),
         valid=valid.to(device),
@@ -176,14 +178,17 @@ class TorchPagedAttention:
             values = v_rows.index_select(0, bucket.gather_index).view(num_kv_heads, batch, bucket.context_len, head_dim)
             if bucket.is_decode:
                 # queries: [kv_heads * B, groups, head_dim]
-                queries = q[bucket.query_index[:, 0]].view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
+                queries = q if bucket.covers_batch else q[bucket.query_index[:, 0]]
+                queries = queries.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
                 queries = queries.reshape(num_kv_heads * batch, groups, head_dim)
                 keys = keys.view(num_kv_heads * batch, bucket.context_len, head_dim)
                 scores = torch.baddbmm(bucket.attn_mask, queries, keys.transpose(1, 2), alpha=scale)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
                 attn = torch.bmm(probs, values.view(num_kv_heads * batch, bucket.context_len, head_dim))
-                out[bucket.token_index] = attn.view(num_kv_heads, batch, num_heads // num_kv_heads * head_dim) \
-                    .transpose(0, 1).reshape(batch, num_heads * head_dim)
+                attn = attn.view(num_kv_heads, batch, groups * head_dim).transpose(0, 1).reshape(batch, -1)
+                if bucket.covers_batch:
+                    return attn
+                out[bucket.token_index] = attn
             else:
                 # queries: [kv_heads, B, Q * groups, head_dim]; SDPA sees kv_heads as batch, B as heads
                 queries = q[bucket.query_index].view(batch, max_q, num_kv_heads, groups, head_dim)

@@ -8,7 +8,12 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x); the statistic is taken in float32 whatever the dtype."""
+    """y = w * x / rms(x); the statistic is taken in float32 whatever the dtype.
+
+    In float32 this is exactly the reference's sequence of roundings. In half precision one fused
+    kernel applies the weight before the single rounding to the output dtype (the reference rounds
+    twice), which is as accurate and saves two passes over the activations.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -16,5 +21,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        if x.dtype != torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)

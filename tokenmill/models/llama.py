@@ -43,7 +43,7 @@ class Attention(nn.Module):
         # x: [T, hidden]
         qkv = self.qkv_proj(x)
         num_tokens = qkv.shape[0]
-        v = qkv[:, self.q_size + self.kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k are adjacent in the fused output: rotate both with one set of ops
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -53,7 +53,7 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = ctx.attend(self.layer_index, q, k.contiguous(), v, self.scale)  # [T, num_heads * head_dim]
+        out = ctx.attend(self.layer_index, q, k, v, self.scale)  # [T, num_heads * head_dim]
         return self.o_proj(out)
 
 
@@ -104,8 +104,15 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> float32 logits [N, vocab]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def untie_lm_head(self) -> None:
+        """Give a tied model an lm_head module that shares the embedding tensor (so it can be swapped)."""
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.embed_tokens.weight
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; every one must be filled."""

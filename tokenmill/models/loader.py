@@ -11,11 +11,13 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
+from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
 from tokenmill.models.hf_config import load_hf_config
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.models.safetensors_loader import iter_safetensors
+from tokenmill.platform import available_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +98,25 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     net = build_model(config, context, dtype, device)
     net.load_weights(weights)
     net.eval()
+    _maybe_pack_weights(net, dtype, device)
     tokenizer = load_tokenizer(path)
     eos = tokenizer.eos_token_id
     if eos is not None and eos not in config.eos_token_ids:
         config.eos_token_ids.append(eos)
     return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context)
+
+
+def _maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+    """On bf16 CPUs, add oneDNN-packed copies of the linear weights (~20% faster batched matmuls)
+    when the extra copy costs under a tenth of the free memory."""
+    if not packing_available(device, dtype):
+        return
+    net.untie_lm_head()
+    extra = linear_weight_bytes(net)
+    if extra > 0.1 * available_memory_bytes(device):
+        logger.info("not packing weights for oneDNN: %d MB extra would not fit comfortably", extra >> 20)
+        return
+    pack_linear_weights(net)
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:

@@ -9,7 +9,6 @@ from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.layers.attention import AttentionBackend, AttentionContext, TorchPagedAttention, build_attention_metadata
 from tokenmill.layers.sampler import SampledToken, sample
 from tokenmill.models.llama import DecoderForCausalLM
-from tokenmill.platform import cpu_matmul_kernels
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -62,8 +61,7 @@ class ModelRunner:
             device=self.device,
         )
         ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
-        with cpu_matmul_kernels(len(input_ids), self.dtype, self.device):
-            hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
+        hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
 
         sample_rows, specs, end = [], [], 0
         for s in seqs:
@@ -74,6 +72,5 @@ class ModelRunner:
         if not specs:
             return []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        with cpu_matmul_kernels(len(rows), self.dtype, self.device):
-            logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
         return sample(logits, specs)
