@@ -34,6 +34,10 @@ class AttentionBucket:
     valid: torch.Tensor  # [B, Q] bool, real query tokens
     gather_index: torch.Tensor  # [kv_heads * B * max_blocks] rows of the cache viewed as [kv_heads * num_blocks, -1]
     context_len: int  # max_blocks * block_size
+    # decode only: for embedding_bag over the value cache viewed as [kv_heads * num_slots, head_dim],
+    # the row of every (kv head, sequence, query group, context position), and each bag's start
+    value_index: torch.Tensor | None
+    value_offsets: torch.Tensor | None
     attn_mask: torch.Tensor  # additive; decode: [kv_heads * B, 1, L], prefill: [1, B, Q * groups, L]
 
 
@@ -119,13 +123,22 @@ def _build_bucket(
     q_pos = torch.where(valid, b_ctx[:, None] + offsets[None, :], 0)
     allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < b_seq_lens[:, None, None])
     bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))  # [B, Q, L]
+    value_index = value_offsets = None
     if is_decode:  # [kv_heads * B, 1, L]
         mask = bias[None].expand(num_kv_heads, batch, 1, context_len).reshape(num_kv_heads * batch, 1, context_len)
+        slots = table[members, :bucket_blocks].repeat_interleave(block_size, dim=1) * block_size \
+            + (kv_pos % block_size)[None, :]  # [B, L]
+        head_rows = torch.arange(num_kv_heads)[:, None, None, None] * (num_blocks * block_size)
+        value_index = (head_rows + slots[None, :, None, :]).expand(-1, -1, num_query_groups, -1).flatten()
+        value_offsets = torch.arange(num_kv_heads * batch * num_query_groups) * context_len
+        value_index, value_offsets = value_index.to(device), value_offsets.to(device)
     else:  # [1, B, Q * groups, L]
         mask = bias.repeat_interleave(num_query_groups, dim=1).unsqueeze(0)
     return AttentionBucket(
         is_decode=is_decode,
         covers_batch=False,
+        value_index=value_index,
+        value_offsets=value_offsets,
         query_index=query_index.to(device),
         token_index=query_index[valid].to(device),
         valid=valid.to(device),
@@ -151,7 +164,23 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Pure-PyTorch paged attention (CPU and CUDA): batched matmuls for decodes, SDPA for prefills."""
+    """Pure-PyTorch paged attention (CPU and CUDA): batched matmuls for decodes, SDPA for prefills.
+
+    Gathered keys/values go into a workspace reused by every layer and step: on CPU, gathering
+    into fresh multi-megabyte tensors costs several times the copy itself in page faults.
+    """
+
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def _gather(self, rows: torch.Tensor, index: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """rows[index] written into workspace slot 0 (keys) or 1 (values)."""
+        num_rows, row_size = len(index), rows.shape[1]
+        ws = self._workspace
+        if ws is None or ws.shape[1] < num_rows or ws.shape[2] != row_size or ws.dtype != rows.dtype \
+                or ws.device != rows.device:
+            ws = self._workspace = rows.new_empty(2, max(num_rows, 2 * (0 if ws is None else ws.shape[1])), row_size)
+        return torch.index_select(rows, 0, index, out=ws[slot, :num_rows])
 
     def forward(
         self,
@@ -173,23 +202,26 @@ class TorchPagedAttention:
         out = q.new_empty(metadata.num_tokens, num_heads * head_dim)
         for bucket in metadata.buckets:
             batch, max_q = bucket.query_index.shape
-            # keys/values: [kv_heads, B, L, head_dim], contiguous
-            keys = k_rows.index_select(0, bucket.gather_index).view(num_kv_heads, batch, bucket.context_len, head_dim)
-            values = v_rows.index_select(0, bucket.gather_index).view(num_kv_heads, batch, bucket.context_len, head_dim)
             if bucket.is_decode:
                 # queries: [kv_heads * B, groups, head_dim]
                 queries = q if bucket.covers_batch else q[bucket.query_index[:, 0]]
                 queries = queries.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
                 queries = queries.reshape(num_kv_heads * batch, groups, head_dim)
-                keys = keys.view(num_kv_heads * batch, bucket.context_len, head_dim)
+                keys = self._gather(k_rows, bucket.gather_index).view(num_kv_heads * batch, bucket.context_len, head_dim)
                 scores = torch.baddbmm(bucket.attn_mask, queries, keys.transpose(1, 2), alpha=scale)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-                attn = torch.bmm(probs, values.view(num_kv_heads * batch, bucket.context_len, head_dim))
+                # probs @ values without gathering the values: a weighted sum of cache rows per bag
+                attn = F.embedding_bag(bucket.value_index, v_cache.view(-1, head_dim), bucket.value_offsets,
+                                       mode="sum", per_sample_weights=probs.view(-1))  # [kv_heads * B * groups, D]
                 attn = attn.view(num_kv_heads, batch, groups * head_dim).transpose(0, 1).reshape(batch, -1)
                 if bucket.covers_batch:
                     return attn
                 out[bucket.token_index] = attn
             else:
+                # keys/values: [kv_heads, B, L, head_dim], contiguous
+                keys = self._gather(k_rows, bucket.gather_index).view(num_kv_heads, batch, bucket.context_len, head_dim)
+                values = self._gather(v_rows, bucket.gather_index, slot=1)
+                values = values.view(num_kv_heads, batch, bucket.context_len, head_dim)
                 # queries: [kv_heads, B, Q * groups, head_dim]; SDPA sees kv_heads as batch, B as heads
                 queries = q[bucket.query_index].view(batch, max_q, num_kv_heads, groups, head_dim)
                 queries = queries.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, batch, max_q * groups, head_dim)
