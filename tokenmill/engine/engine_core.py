@@ -127,6 +127,8 @@ class LLMEngine:
         max_tokens = self.validate_request(prompt_token_ids, params)
         eos = frozenset(self.model_config.eos_token_ids)
         arrival = arrival_time or time.time()
+        # Siblings of an n > 1 request wait for the first one's prompt, then share its blocks.
+        share_prompt = self.kv_cache.enable_prefix_caching
         children: list[Request] = []
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -135,7 +137,8 @@ class LLMEngine:
                 Request(
                     request_id=child_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
                     max_tokens=max_tokens, seed=seed, eos_token_ids=eos, parent_id=request_id, index=index,
-                    prompt=prompt_text, prefill_leader=children[0] if children else None, arrival_time=arrival,
+                    prompt=prompt_text, prefill_leader=children[0] if children and share_prompt else None,
+                    arrival_time=arrival,
                 )
             )
         group = _Group(
