@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.attention import AttentionContext, TorchPagedAttention, build_attention_metadata
+from tokenmill.layers.attention import AttentionContext, CacheGeometry, TorchPagedAttention, build_attention_metadata
 from tokenmill.models.loader import load_model
 
 from conftest import TINY_ARCHS
@@ -46,9 +46,9 @@ def _our_logits(loaded, prompts_ids: list[list[int]], split: int | None = None) 
         batch = [chunks[i][round_] for i in range(len(prompts_ids))]
         metadata = build_attention_metadata(
             query_lens=[len(ids) for _, ids in batch], context_lens=[start for start, _ in batch],
-            block_tables=tables, block_size=block_size, num_blocks=num_blocks,
-            num_kv_heads=config.num_key_value_heads, num_query_groups=config.num_query_groups, dtype=dtype,
-            device=torch.device("cpu"),
+            block_tables=tables,
+            geometry=CacheGeometry(block_size, num_blocks, config.num_key_value_heads, config.num_query_groups, dtype,
+                                   torch.device("cpu")),
         )
         ctx = AttentionContext(TorchPagedAttention(), metadata, kv_caches)
         with torch.inference_mode():

@@ -41,6 +41,18 @@ class AttentionBucket:
     attn_mask: torch.Tensor  # additive; decode: [kv_heads * B, 1, L], prefill: [1, B, Q * groups, L]
 
 
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What the metadata builder needs to know about the paged KV cache and the model."""
+
+    block_size: int
+    num_blocks: int
+    num_kv_heads: int
+    num_query_groups: int  # query heads per KV head
+    dtype: torch.dtype
+    device: torch.device
+
+
 @dataclass
 class AttentionMetadata:
     """What every attention layer needs for one step."""
@@ -55,17 +67,13 @@ def build_attention_metadata(
     query_lens: list[int],
     context_lens: list[int],
     block_tables: list[list[int]],
-    block_size: int,
-    num_blocks: int,
-    num_kv_heads: int,
-    num_query_groups: int,
-    dtype: torch.dtype,
-    device: torch.device,
+    geometry: CacheGeometry,
 ) -> AttentionMetadata:
     """Metadata for sequences whose new tokens lie back to back in the flat batch.
 
     query_lens[i] new tokens follow context_lens[i] tokens already in the cache.
     """
+    block_size = geometry.block_size
     q_lens = torch.tensor(query_lens, dtype=torch.int64)
     ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
     num_tokens = int(q_lens.sum())
@@ -75,17 +83,15 @@ def build_attention_metadata(
     max_blocks = max(len(t) for t in block_tables)
     table = torch.tensor([t + [t[0]] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64)
     slots = table[seq_ids, positions // block_size] * block_size + positions % block_size
-    head_offsets = torch.arange(num_kv_heads)[:, None]
-    write_index = (head_offsets * (num_blocks * block_size) + slots[None, :]).flatten()
+    head_offsets = torch.arange(geometry.num_kv_heads)[:, None]
+    write_index = (head_offsets * (geometry.num_blocks * block_size) + slots[None, :]).flatten()
 
     is_decode = q_lens == 1
     buckets = []
     for decode, members in ((True, torch.nonzero(is_decode).flatten()), (False, torch.nonzero(~is_decode).flatten())):
         if len(members):
-            bucket = _build_bucket(decode, members, q_lens, ctx_lens, query_starts, table, block_size, num_blocks,
-                                   num_kv_heads, num_query_groups, dtype, device)
-            bucket.covers_batch = decode and len(members) == len(query_lens)
-            buckets.append(bucket)
+            buckets.append(_build_bucket(decode, members, q_lens, ctx_lens, query_starts, table, geometry))
+    device = geometry.device
     return AttentionMetadata(
         positions=positions.to(device), write_index=write_index.to(device), buckets=buckets, num_tokens=num_tokens
     )
@@ -98,13 +104,10 @@ def _build_bucket(
     ctx_lens: torch.Tensor,
     query_starts: torch.Tensor,
     table: torch.Tensor,
-    block_size: int,
-    num_blocks: int,
-    num_kv_heads: int,
-    num_query_groups: int,
-    dtype: torch.dtype,
-    device: torch.device,
+    geometry: CacheGeometry,
 ) -> AttentionBucket:
+    block_size, num_blocks, num_kv_heads = geometry.block_size, geometry.num_blocks, geometry.num_kv_heads
+    device = geometry.device
     batch = len(members)
     b_q_lens = q_lens[members]
     b_ctx = ctx_lens[members]
@@ -122,21 +125,22 @@ def _build_bucket(
     kv_pos = torch.arange(context_len)
     q_pos = torch.where(valid, b_ctx[:, None] + offsets[None, :], 0)
     allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < b_seq_lens[:, None, None])
-    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, float("-inf"))  # [B, Q, L]
+    bias = torch.zeros(allowed.shape, dtype=geometry.dtype).masked_fill(~allowed, float("-inf"))  # [B, Q, L]
     value_index = value_offsets = None
     if is_decode:  # [kv_heads * B, 1, L]
         mask = bias[None].expand(num_kv_heads, batch, 1, context_len).reshape(num_kv_heads * batch, 1, context_len)
         slots = table[members, :bucket_blocks].repeat_interleave(block_size, dim=1) * block_size \
             + (kv_pos % block_size)[None, :]  # [B, L]
         head_rows = torch.arange(num_kv_heads)[:, None, None, None] * (num_blocks * block_size)
-        value_index = (head_rows + slots[None, :, None, :]).expand(-1, -1, num_query_groups, -1).flatten()
-        value_offsets = torch.arange(num_kv_heads * batch * num_query_groups) * context_len
+        groups = geometry.num_query_groups
+        value_index = (head_rows + slots[None, :, None, :]).expand(-1, -1, groups, -1).flatten()
+        value_offsets = torch.arange(num_kv_heads * batch * groups) * context_len
         value_index, value_offsets = value_index.to(device), value_offsets.to(device)
     else:  # [1, B, Q * groups, L]
-        mask = bias.repeat_interleave(num_query_groups, dim=1).unsqueeze(0)
+        mask = bias.repeat_interleave(geometry.num_query_groups, dim=1).unsqueeze(0)
     return AttentionBucket(
         is_decode=is_decode,
-        covers_batch=False,
+        covers_batch=is_decode and batch == len(q_lens),
         value_index=value_index,
         value_offsets=value_offsets,
         query_index=query_index.to(device),

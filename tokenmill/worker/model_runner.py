@@ -6,7 +6,13 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.scheduler_output import SchedulerOutput
-from tokenmill.layers.attention import AttentionBackend, AttentionContext, TorchPagedAttention, build_attention_metadata
+from tokenmill.layers.attention import (
+    AttentionBackend,
+    AttentionContext,
+    CacheGeometry,
+    TorchPagedAttention,
+    build_attention_metadata,
+)
 from tokenmill.layers.sampler import SampledToken, sample
 from tokenmill.models.llama import DecoderForCausalLM
 
@@ -32,11 +38,14 @@ class ModelRunner:
         config = model.config
         self.model = model
         self.device = device
-        self.dtype = dtype
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.num_kv_heads = config.num_key_value_heads
-        self.num_query_groups = config.num_query_groups
+        self.geometry = CacheGeometry(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_kv_heads=config.num_key_value_heads,
+            num_query_groups=config.num_query_groups,
+            dtype=dtype,
+            device=device,
+        )
         self.backend = backend or TorchPagedAttention()
         # [layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim]; zeroed so that unwritten
         # slots gathered with a block are finite (masked, but NaN * 0 would still poison softmax).
@@ -53,12 +62,7 @@ class ModelRunner:
             query_lens=[len(s.token_ids) for s in seqs],
             context_lens=[s.num_computed_tokens for s in seqs],
             block_tables=[s.block_ids for s in seqs],
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            num_kv_heads=self.num_kv_heads,
-            num_query_groups=self.num_query_groups,
-            dtype=self.dtype,
-            device=self.device,
+            geometry=self.geometry,
         )
         ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
         hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
