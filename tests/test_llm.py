@@ -105,3 +105,22 @@ def test_bad_engine_arguments(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), dtype="float64")
     with pytest.raises(InvalidParameterError, match="smaller than one KV block"):
         LLM(model=str(tiny_llama_dir), kv_cache_memory=10)
+
+
+def test_kv_waste_stays_small_and_blocks_return(tiny_llm):
+    engine = tiny_llm.engine
+    words = "paged attention keeps the key value cache in fixed size blocks of sixteen tokens each".split()
+    for i in range(6):  # distinct ~250-token prompts: no shared prefix blocks
+        prompt = " ".join(words[(i + j * 7) % len(words)] + str(j % (i + 3)) for j in range(110))
+        engine.add_request(f"waste-{i}", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    stats = engine.stats().kv_cache
+    assert stats.num_tokens_stored > 6 * 200
+    assert stats.waste < 0.04  # only each sequence's last block is partly empty
+    engine.abort_request("waste-2")
+    engine.kv_cache.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv_cache.check_integrity()
+    assert engine.stats().kv_cache.num_used_blocks == 0
