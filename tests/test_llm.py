@@ -105,6 +105,18 @@ def test_bad_engine_arguments(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), dtype="float64")
     with pytest.raises(InvalidParameterError, match="smaller than one KV block"):
         LLM(model=str(tiny_llama_dir), kv_cache_memory=10)
+    with pytest.raises(InvalidParameterError, match="fraction"):
+        LLM(model=str(tiny_llama_dir), kv_cache_memory=1.5)
+
+
+def test_kv_cache_memory_budget_sets_pool_size(tiny_llama_dir):
+    from tokenmill.worker.model_runner import kv_cache_bytes_per_block
+
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=3_000_000)
+    per_block = kv_cache_bytes_per_block(llm.engine.model_config, 16, llm.engine.dtype)
+    assert llm.stats().kv_cache.num_blocks == 3_000_000 // per_block
+    by_fraction = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=0.001)
+    assert by_fraction.stats().kv_cache.num_blocks > 0
 
 
 def test_kv_waste_stays_small_and_blocks_return(tiny_llm):

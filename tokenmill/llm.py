@@ -28,7 +28,7 @@ class LLM:
         dtype: str = "auto",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | None = None,
+        kv_cache_memory: int | float | None = None,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         seed: int = 0,
@@ -38,6 +38,12 @@ class LLM:
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1:
             raise InvalidParameterError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+        # kv_cache_memory: bytes, or a float in (0, 1] meaning that share of the available memory
+        kv_fraction = None
+        if isinstance(kv_cache_memory, float):
+            if not 0.0 < kv_cache_memory <= 1.0:
+                raise InvalidParameterError("kv_cache_memory as a fraction must be in (0, 1]", param="kv_cache_memory")
+            kv_fraction, kv_cache_memory = kv_cache_memory, None
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -46,6 +52,7 @@ class LLM:
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,
+                kv_cache_memory_fraction=kv_fraction,
                 enable_prefix_caching=enable_prefix_caching,
                 num_blocks=num_kv_blocks,
             ),
