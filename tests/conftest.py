@@ -14,6 +14,13 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# CI replays the same property-test examples every run; locally hypothesis explores afresh.
+if os.environ.get("CI"):
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, print_blob=True)
+    settings.load_profile("ci")
+
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 

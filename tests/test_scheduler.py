@@ -38,7 +38,8 @@ def fake_step(scheduler: Scheduler, step_no: int, check) -> list[Request]:
 
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.lists(st.integers(1, 4), min_size=1, max_size=60), st.integers(1, 20)),
+        st.tuples(st.just("add"), st.lists(st.integers(1, 4), min_size=1, max_size=60), st.integers(1, 20),
+                  st.integers(1, 3)),
         st.tuples(st.just("abort"), st.integers(0, 100)),
         st.tuples(st.just("step"), st.integers(1, 4)),
     ),
@@ -46,7 +47,7 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=operations,
     num_blocks=st.integers(4, 24),
@@ -74,15 +75,18 @@ def test_blocks_conserved_budgets_respected(ops, num_blocks, block_size, max_num
         kv.check_integrity()
 
     for op in ops:
-        if op[0] == "add":
-            _, prompt, max_tokens = op
-            request = make_request(f"r{len(added)}", prompt, max_tokens)
-            try:
-                scheduler.add_request(request)
-            except RequestTooLongError:
-                assert kv.blocks_needed(len(prompt) + max_tokens) > num_blocks
-                continue
-            added.append(request)
+        if op[0] == "add":  # n samples: siblings wait for the leader's prompt, as the engine sets up
+            _, prompt, max_tokens, n = op
+            leader = None
+            for i in range(n):
+                request = make_request(f"r{len(added)}", prompt, max_tokens, leader=leader)
+                try:
+                    scheduler.add_request(request)
+                except RequestTooLongError:
+                    assert kv.blocks_needed(len(prompt) + max_tokens) > num_blocks
+                    break
+                added.append(request)
+                leader = leader or request
         elif op[0] == "abort" and added:
             scheduler.finish_request(added[op[1] % len(added)].request_id, RequestStatus.FINISHED_ABORTED)
             kv.check_integrity()
