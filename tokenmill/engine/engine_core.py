@@ -185,12 +185,9 @@ class LLMEngine:
             else:
                 delta = detokenizer.add_token(token_id, flush=request.is_finished)
                 if detokenizer.stop_string is not None:
-                    if request.is_finished:  # hit the length limit on the very token that completed the stop string
-                        request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_string
-                    else:
-                        self.scheduler.finish_request(
-                            request.request_id, RequestStatus.FINISHED_STOPPED, detokenizer.stop_string
-                        )
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                    # also when the length limit already ended it on the token that completed the stop string
+                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_string
             if request.logprobs is not None:
                 self._decode_logprobs(request)
             deltas_by_group.setdefault(group.request_id, {})[index] = delta

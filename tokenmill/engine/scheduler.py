@@ -163,13 +163,12 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
 
     # ---- leaving -----------------------------------------------------------------------------
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request now (abort, or a stop string found by the detokenizer); frees its blocks."""
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return
         request.status = status
-        request.stop_reason = stop_reason
         self._remove(request)
 
     def _remove(self, request: Request) -> None:

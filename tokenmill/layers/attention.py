@@ -196,43 +196,54 @@ class TorchPagedAttention:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        head_dim = k_cache.shape[-1]
         num_heads = q.shape[1]
-        groups = num_heads // num_kv_heads
         k_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, k.transpose(0, 1).reshape(-1, head_dim))
         v_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, v.transpose(0, 1).reshape(-1, head_dim))
-        k_rows = k_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
-        v_rows = v_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
+        buckets = metadata.buckets
+        if buckets[0].covers_batch:  # a pure decode step (the only bucket): no scatter into `out`
+            return self._decode(q, k_cache, v_cache, buckets[0], scale)
         out = q.new_empty(metadata.num_tokens, num_heads * head_dim)
-        for bucket in metadata.buckets:
-            batch, max_q = bucket.query_index.shape
+        for bucket in buckets:
             if bucket.is_decode:
-                # queries: [kv_heads * B, groups, head_dim]
-                queries = q if bucket.covers_batch else q[bucket.query_index[:, 0]]
-                queries = queries.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
-                queries = queries.reshape(num_kv_heads * batch, groups, head_dim)
-                keys = self._gather(k_rows, bucket.gather_index).view(num_kv_heads * batch, bucket.context_len, head_dim)
-                scores = torch.baddbmm(bucket.attn_mask, queries, keys.transpose(1, 2), alpha=scale)
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-                # probs @ values without gathering the values: a weighted sum of cache rows per bag
-                attn = F.embedding_bag(bucket.value_index, v_cache.view(-1, head_dim), bucket.value_offsets,
-                                       mode="sum", per_sample_weights=probs.view(-1))  # [kv_heads * B * groups, D]
-                attn = attn.view(num_kv_heads, batch, groups * head_dim).transpose(0, 1).reshape(batch, -1)
-                if bucket.covers_batch:
-                    return attn
-                out[bucket.token_index] = attn
+                out[bucket.token_index] = self._decode(q[bucket.query_index[:, 0]], k_cache, v_cache, bucket, scale)
             else:
-                # keys/values: [kv_heads, B, L, head_dim], contiguous
-                keys = self._gather(k_rows, bucket.gather_index).view(num_kv_heads, batch, bucket.context_len, head_dim)
-                values = self._gather(v_rows, bucket.gather_index, slot=1)
-                values = values.view(num_kv_heads, batch, bucket.context_len, head_dim)
-                # queries: [kv_heads, B, Q * groups, head_dim]; SDPA sees kv_heads as batch, B as heads
-                queries = q[bucket.query_index].view(batch, max_q, num_kv_heads, groups, head_dim)
-                queries = queries.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, batch, max_q * groups, head_dim)
-                attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.attn_mask, scale=scale)
-                attn = attn.view(num_kv_heads, batch, max_q, groups, head_dim).permute(1, 2, 0, 3, 4)
-                out[bucket.token_index] = attn.reshape(batch, max_q, num_heads * head_dim)[bucket.valid]
+                out[bucket.token_index] = self._prefill(q, k_cache, v_cache, bucket, scale)
         return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: AttentionBucket,
+                scale: float) -> torch.Tensor:
+        """q: [B, num_heads, head_dim], one query per sequence -> [B, num_heads * head_dim]."""
+        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        batch, groups = q.shape[0], q.shape[1] // num_kv_heads
+        queries = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
+        queries = queries.reshape(num_kv_heads * batch, groups, head_dim)  # [kv_heads * B, groups, head_dim]
+        k_rows = k_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
+        keys = self._gather(k_rows, bucket.gather_index).view(num_kv_heads * batch, bucket.context_len, head_dim)
+        scores = torch.baddbmm(bucket.attn_mask, queries, keys.transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        # probs @ values without gathering the values: a weighted sum of cache rows per bag
+        attn = F.embedding_bag(bucket.value_index, v_cache.view(-1, head_dim), bucket.value_offsets,
+                               mode="sum", per_sample_weights=probs.view(-1))  # [kv_heads * B * groups, head_dim]
+        return attn.view(num_kv_heads, batch, groups * head_dim).transpose(0, 1).reshape(batch, -1)
+
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: AttentionBucket,
+                 scale: float) -> torch.Tensor:
+        """Queries of the bucket's chunks (taken from the flat q) -> [num_valid, num_heads * head_dim]."""
+        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        batch, max_q = bucket.query_index.shape
+        num_heads = q.shape[1]
+        groups = num_heads // num_kv_heads
+        # keys/values: [kv_heads, B, L, head_dim], contiguous
+        shape = (num_kv_heads, batch, bucket.context_len, head_dim)
+        keys = self._gather(k_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index).view(shape)
+        values = self._gather(v_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index, slot=1).view(shape)
+        # queries: [kv_heads, B, Q * groups, head_dim]; SDPA sees kv_heads as batch, B as heads
+        queries = q[bucket.query_index].view(batch, max_q, num_kv_heads, groups, head_dim)
+        queries = queries.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, batch, max_q * groups, head_dim)
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.attn_mask, scale=scale)
+        attn = attn.view(num_kv_heads, batch, max_q, groups, head_dim).permute(1, 2, 0, 3, 4)
+        return attn.reshape(batch, max_q, num_heads * head_dim)[bucket.valid]
 
 
 @dataclass
