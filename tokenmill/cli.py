@@ -32,6 +32,39 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.launcher import ServeOptions, serve
+
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise TokenmillError("--max-queued-requests must be at least 1")
+    options = ServeOptions(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    return serve(options)
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    serve.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
+    serve.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="waiting requests beyond this get 503 with Retry-After")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                       help="on SIGTERM/SIGINT, let in-flight requests finish for up to S seconds")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--log-prompts", action="store_true", help="include request bodies in the access log")
+    serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=16 * 1024 * 1024)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
+    _add_serve_parser(sub)
     return parser
 
 

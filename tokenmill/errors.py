@@ -36,3 +36,31 @@ class ModelLoadError(TokenmillError):
 
 class DefaultModelMissingError(ModelLoadError):
     """The default model package is not installed."""
+
+
+class ServerBusyError(TokenmillError):
+    """The server cannot take the request now (queue full or draining); retry later."""
+
+    http_status = 503
+    error_type = "server_busy"
+
+
+class ModelNotFoundError(TokenmillError):
+    """The request names a model this server does not serve."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class AuthenticationError(TokenmillError):
+    """Missing or wrong API key."""
+
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class RequestBodyTooLargeError(TokenmillError):
+    """The request body is over the server's size limit."""
+
+    http_status = 413
+    error_type = "invalid_request_error"

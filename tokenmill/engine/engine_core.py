@@ -164,6 +164,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._groups)
+
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that made progress."""

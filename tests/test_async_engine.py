@@ -1,0 +1,145 @@
+"""AsyncLLMEngine: the step loop on its own thread, streams, cancellation, failures, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.errors import ServerBusyError
+
+PROMPTS = ["The mill turns", "Water runs under the", "Grain becomes flour when", "A paged cache holds"]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _with_engine(engine, body, **kwargs):
+    async_engine = AsyncLLMEngine(engine, **kwargs)
+    async_engine.start()
+    try:
+        return await body(async_engine)
+    finally:
+        await async_engine.shutdown()
+
+
+async def _stream_text(async_engine, request_id, prompt_ids, params):
+    pieces, final = [], None
+    async for output in async_engine.generate(request_id, prompt_ids, params):
+        pieces.append(output.deltas.get(0, ""))
+        final = output
+    return "".join(pieces), final
+
+
+def _wait_until(predicate, timeout=5.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_concurrent_streams_match_offline_generate(tiny_llm):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].text for o in tiny_llm.generate(PROMPTS, params, use_tqdm=False)]
+    engine = tiny_llm.engine
+    prompt_ids = [engine.tokenize(p) for p in PROMPTS]
+    observed_steps = []
+
+    async def body(async_engine):
+        return await asyncio.gather(*[
+            _stream_text(async_engine, f"r{i}", ids, params) for i, ids in enumerate(prompt_ids)
+        ])
+
+    results = run(_with_engine(engine, body, step_observer=lambda *a: observed_steps.append(a)))
+    for (joined, final), text in zip(results, expected):
+        assert joined == text == final.outputs[0].text
+        assert final.finished and len(final.outputs[0].token_ids) == 24
+    assert observed_steps and all(len(step) == 3 for step in observed_steps)
+    assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_leaving_a_stream_aborts_and_frees_blocks(tiny_llm):
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def body(async_engine):
+        stream = async_engine.generate("leaver", engine.tokenize(PROMPTS[0]), params)
+        async for output in stream:
+            if len(output.outputs[0].token_ids) >= 3:
+                break
+        await stream.aclose()
+        await asyncio.sleep(0)
+        return await asyncio.to_thread(_wait_until, lambda: not engine.has_unfinished_requests())
+
+    assert run(_with_engine(engine, body))
+    assert engine.kv_cache.stats().num_used_blocks == 0
+    engine.kv_cache.check_integrity()
+
+
+def test_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_llm, monkeypatch):
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def execute_failing_once(scheduler_output):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real_execute(scheduler_output)
+
+    monkeypatch.setattr(engine.runner, "execute", execute_failing_once)
+
+    async def body(async_engine):
+        with pytest.raises(RuntimeError, match="simulated kernel failure"):
+            await _stream_text(async_engine, "doomed", engine.tokenize(PROMPTS[0]), params)
+        return await _stream_text(async_engine, "fine", engine.tokenize(PROMPTS[1]), params)
+
+    joined, final = run(_with_engine(engine, body))
+    assert final.finished and len(final.outputs[0].token_ids) == 8 and joined == final.outputs[0].text
+    assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_waiting_queue_limit(tiny_llm):
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    async def body(async_engine):
+        first = async_engine.generate("a", engine.tokenize(PROMPTS[0]), params)
+        task = asyncio.ensure_future(first.__anext__())
+        await asyncio.sleep(0)  # the generator registers its request
+        with pytest.raises(ServerBusyError, match="queue is full"):
+            async_engine.check_capacity()
+        await task
+        await first.aclose()
+
+    run(_with_engine(engine, body, max_queued_requests=1))
+
+
+def test_drain_waits_then_aborts_the_rest(tiny_llm):
+    engine = tiny_llm.engine
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    endless = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+
+    async def body(async_engine):
+        done = asyncio.ensure_future(_stream_text(async_engine, "short", engine.tokenize(PROMPTS[0]), short))
+        await asyncio.sleep(0)  # the request is in flight
+        assert await async_engine.drain(timeout=5.0) == 0
+        _, final = await done
+        assert final.finished
+        slow = asyncio.ensure_future(_stream_text(async_engine, "long", engine.tokenize(PROMPTS[1]), endless))
+        await asyncio.sleep(0.01)
+        aborted = await async_engine.drain(timeout=0.0)
+        with pytest.raises(ServerBusyError, match="shutting down"):
+            await slow
+        return aborted
+
+    assert run(_with_engine(engine, body)) == 1
+    assert _wait_until(lambda: not engine.has_unfinished_requests())
+    assert engine.kv_cache.stats().num_used_blocks == 0

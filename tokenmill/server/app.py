@@ -1,0 +1,157 @@
+"""The FastAPI app: routes of the OpenAI-compatible API plus health, metrics and tokenizer endpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from tokenmill import __version__
+from tokenmill.errors import InvalidParameterError, TokenmillError
+from tokenmill.server.errors import error_response, invalid_body
+from tokenmill.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
+from tokenmill.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, to_conversation,
+)
+from tokenmill.server.serving_chat import create_chat_completion, render_chat_prompt
+from tokenmill.server.serving_common import ClientDisconnected, ResponseLog, ServerContext, now_seconds
+from tokenmill.server.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
+
+Handler = Callable[[ServerContext, BaseModel, Callable, ResponseLog], Awaitable[Response]]
+
+
+async def read_json_object(request: Request) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    raw = await request.body()
+
+    def reject_constant(name: str) -> float:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidParameterError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidParameterError("the request body must be a JSON object")
+    return body
+
+
+def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app around one AsyncLLMEngine (started and stopped with the app's lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx.engine.start()
+        try:
+            yield
+        finally:
+            await ctx.engine.shutdown()
+
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        error = TokenmillError(str(exc.detail))
+        error.http_status, error.error_type = exc.status_code, "invalid_request_error"
+        if exc.status_code == 404:
+            error.error_type = "not_found_error"
+        return error_response(error)
+
+    async def run(request: Request, body_type: type[BaseModel], handler: Handler) -> Response:
+        log: ResponseLog = request.state.log
+        try:
+            try:
+                body = body_type.model_validate(await read_json_object(request))
+            except ValidationError as exc:
+                raise invalid_body(exc) from None
+            if ctx.log_prompts:
+                log.extra["body"] = json.dumps(body.model_dump(exclude_none=True))
+            return await handler(ctx, body, request.receive, log)
+        except TokenmillError as exc:
+            if exc.http_status >= 500 and exc.http_status != 503:
+                logger.error("request failed: %s", exc.message)
+            return error_response(exc)
+        except ClientDisconnected:
+            log.extra["aborted"] = "client_disconnected"
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception:  # one broken request is a 500 for that request, nothing more
+            logger.exception("internal error while serving a request")
+            return error_response(TokenmillError("internal server error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await run(request, CompletionRequest, create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run(request, ChatCompletionRequest, create_chat_completion)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await run(request, TokenizeRequest, _tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await run(request, DetokenizeRequest, _detokenize)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": ctx.model_name, "object": "model", "created": now_seconds(), "owned_by": "tokenmill",
+                "root": str(ctx.engine.engine.model_path), "max_model_len": ctx.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if ctx.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(AccessLogMiddleware)  # added last = outermost: it sees 401s and 413s too
+    return app
+
+
+async def _tokenize(ctx: ServerContext, body: TokenizeRequest, receive, log: ResponseLog) -> Response:
+    ctx.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidParameterError("give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        prompt = render_chat_prompt(ctx, to_conversation(body.messages), body.add_generation_prompt)
+        tokens = ctx.tokenize(prompt, add_special_tokens=False)
+    else:
+        tokens = ctx.tokenize(body.prompt, body.add_special_tokens)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
+
+
+async def _detokenize(ctx: ServerContext, body: DetokenizeRequest, receive, log: ResponseLog) -> Response:
+    ctx.check_model(body.model)
+    if any(t >= ctx.vocab_size for t in body.tokens):
+        raise InvalidParameterError(f"token ids must be in [0, {ctx.vocab_size})", param="tokens")
+    return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})

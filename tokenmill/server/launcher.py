@@ -1,0 +1,114 @@
+"""`tokenmill serve`: load the model, then run the app under uvicorn with a graceful drain on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import uvicorn
+
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.engine_core import LLMEngine
+from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from tokenmill.server.metrics import ServingMetrics
+from tokenmill.server.serving_common import ServerContext
+
+logger = logging.getLogger("tokenmill.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class ServeOptions:
+    """Everything `tokenmill serve` takes."""
+
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None
+    max_queued_requests: int | None = 1024
+    drain_timeout: float = 30.0
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    log_prompts: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_level: str = "info"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the listening socket.
+
+    Draining: /ready and new requests answer 503, in-flight requests run to the end (or until the
+    drain timeout, then they are aborted), then the server exits with status 0. A second signal exits now.
+    """
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Unlike uvicorn's own handler, do not re-raise the signal after shutdown: a drain is a clean exit.
+        if self.ctx.draining or self._loop is None or not self.started:
+            self.should_exit = True
+            if self.ctx.draining:
+                self.force_exit = True
+            return
+        self.ctx.draining = True
+        logger.info("%s: draining (up to %.0f s), new requests get 503", signal.Signals(sig).name, self.drain_timeout)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        aborted = await self.ctx.engine.drain(self.drain_timeout)
+        if aborted:
+            logger.warning("drain timeout: aborted %d requests", aborted)
+        logger.info("drained; shutting down")
+        self.should_exit = True
+
+
+def serve(options: ServeOptions) -> int:
+    """Load the model and serve until a signal drains the server; returns the exit status."""
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(EngineConfig(
+        model=options.model,
+        dtype=options.dtype,
+        device=options.device,
+        seed=options.seed,
+        cache=CacheConfig(kv_cache_memory=options.kv_cache_memory),
+        scheduler=SchedulerConfig(
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            max_model_len=options.max_model_len,
+        ),
+    ))
+    model_name = options.served_model_name or options.model or DEFAULT_MODEL_NAME
+    metrics = ServingMetrics(model_name)
+    async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step)
+    ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts)
+    app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+    config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_config=None, access_log=False,
+        log_level=options.log_level, timeout_graceful_shutdown=5, lifespan="on",
+    )
+    server = DrainingServer(config, ctx, options.drain_timeout)
+    logger.info("serving %s on http://%s:%d/v1", model_name, options.host, options.port)
+    server.run()
+    return 0 if server.started else 1

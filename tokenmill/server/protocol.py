@@ -1,0 +1,178 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
+
+Ranges that SamplingParams already checks (temperature, top_p, penalties, n, ...) are checked
+there, once; these models check shapes and the limits only the API has.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.errors import InvalidParameterError
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_PROMPTS_PER_REQUEST = 64
+MAX_MESSAGES = 1024
+INT64 = 2**63
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as vLLM does: clients send options other servers understand.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    user: str | None = None
+    # extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=_token_bias(self.logit_bias, vocab_size),
+            seed=self.seed,
+            stop=self.stop,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise InvalidParameterError("the prompt is empty", param="prompt")
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise InvalidParameterError(
+                f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompts)}", param="prompt"
+            )
+        if self.suffix:
+            raise InvalidParameterError("suffix is not supported", param="suffix")
+        return prompts
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, str]]:
+        return to_conversation(self.messages)
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+def to_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as chat templates take them."""
+    # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+def _token_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not logit_bias:
+        return None
+    bias = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id < vocab_size:
+            raise InvalidParameterError(
+                f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias"
+            )
+        bias[token_id] = value
+    return bias

@@ -1,0 +1,117 @@
+"""POST /v1/chat/completions: render the chat template, run, answer as JSON or server-sent events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
+
+from tokenmill.errors import InvalidParameterError
+from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.serving_common import (
+    SSE_DONE, ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds,
+    run_unless_disconnected, sse, stream_error, stream_updates, top_entries, usage,
+)
+
+
+def render_chat_prompt(ctx: ServerContext, conversation: list[dict], add_generation_prompt: bool = True) -> str:
+    """The conversation as the model's chat template writes it."""
+    tokenizer = ctx.tokenizer
+    if not tokenizer.chat_template:
+        raise InvalidParameterError("this model has no chat template", param="messages")
+    try:
+        return tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
+        raise InvalidParameterError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+
+
+async def create_chat_completion(
+    ctx: ServerContext, body: ChatCompletionRequest, receive: Receive, log: ResponseLog
+) -> Response:
+    ctx.check_model(body.model)
+    prompt = render_chat_prompt(ctx, body.conversation(), body.add_generation_prompt)
+    prompt_token_ids = ctx.tokenize(prompt, add_special_tokens=False)  # the template wrote them
+    max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to max_model_len
+    num_top = body.num_logprobs()
+    params = body.sampling_params(max_tokens, num_top, ctx.vocab_size)
+    ctx.validate(prompt_token_ids, params)
+    ctx.check_accepting()
+
+    request_id = f"chatcmpl-{log.request_id}"
+    log.is_generation = True
+    log.prompt_tokens = len(prompt_token_ids)
+    streams = [ctx.engine.generate(request_id, prompt_token_ids, params, prompt_text=prompt)]
+    header = {"id": request_id, "created": now_seconds(), "model": ctx.model_name}
+    if body.stream:
+        return StreamingResponse(_stream(body, header, streams, num_top, log), media_type="text/event-stream")
+    (final,) = await run_unless_disconnected(collect(streams), receive)
+    return JSONResponse(_response(header, final, num_top, log))
+
+
+def _response(header: dict, final: RequestOutput, num_top: int | None, log: ResponseLog) -> dict:
+    choices = []
+    for sample in final.outputs:
+        logprobs = None
+        if num_top is not None:
+            logprobs = {"content": _logprobs(sample.logprobs or [], sample.token_ids, 0, len(sample.token_ids),
+                                             num_top)}
+        choices.append({
+            "index": sample.index,
+            "message": {"role": "assistant", "content": sample.text},
+            "logprobs": logprobs,
+            "finish_reason": sample.finish_reason,
+        })
+    log.completion_tokens = sum(len(s.token_ids) for s in final.outputs)
+    log.first_token_time = final.metrics.first_token_time
+    return {**header, "object": "chat.completion", "choices": choices,
+            "usage": usage(log.prompt_tokens, log.completion_tokens)}
+
+
+async def _stream(body: ChatCompletionRequest, header: dict, streams: list[AsyncIterator[RequestOutput]],
+                  num_top: int | None, log: ResponseLog) -> AsyncIterator[str]:
+    header = {**header, "object": "chat.completion.chunk"}
+    tracker = ChoiceTracker(body.n)
+    try:
+        for index in range(body.n):
+            yield sse(_chunk(header, index, {"role": "assistant", "content": ""}, None, None))
+        async for updates in stream_updates(streams, tracker, log):
+            for update in updates:
+                logprobs = None
+                if num_top is not None:
+                    logprobs = {"content": _logprobs(update.logprobs or [], update.token_ids, update.start,
+                                                     update.end, num_top)}
+                elif not update.text and update.finish_reason is None:
+                    continue
+                delta = {"content": update.text} if update.text else {}
+                yield sse(_chunk(header, update.index, delta, logprobs, update.finish_reason))
+        if body.include_usage:
+            yield sse({**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)})
+    except Exception as exc:  # headers are sent: the error goes in the stream
+        yield stream_error(exc, log)
+    yield SSE_DONE
+
+
+def _chunk(header: dict, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {**header, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                   "finish_reason": finish_reason}]}
+
+
+def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], start: int, end: int,
+              num_top: int) -> list[dict]:
+    """Chat logprobs content entries for tokens [start, end)."""
+    content = []
+    for token_id, entry in zip(token_ids[start:end], entries[start:end]):
+        chosen = entry[token_id]
+        content.append({
+            **_token_logprob(chosen),
+            "top_logprobs": [_token_logprob(lp) for _, lp in top_entries(entry, num_top)],
+        })
+    return content
+
+
+def _token_logprob(logprob: Logprob) -> dict:
+    token = logprob.decoded_token or ""
+    return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode("utf-8"))}

@@ -1,0 +1,237 @@
+"""What both generation endpoints share: admission checks, tokenizing, running streams, SSE, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+
+from starlette.types import Receive
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.errors import ModelNotFoundError, ServerBusyError, TokenmillError
+from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import error_body
+from tokenmill.server.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServerContext:
+    """Everything a route handler needs; one per server."""
+
+    engine: AsyncLLMEngine
+    model_name: str
+    metrics: ServingMetrics
+    log_prompts: bool = False
+    draining: bool = False
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model_config.vocab_size
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model_name:
+            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                                     param="model")
+
+    def check_accepting(self) -> None:
+        """503 while draining or when the waiting queue is full."""
+        try:
+            if self.draining:
+                raise ServerBusyError("the server is shutting down")
+            self.engine.check_capacity()
+        except ServerBusyError:
+            self.metrics.observe_rejection("draining" if self.draining else "queue_full")
+            raise
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return self.engine.engine.tokenize(prompt, add_special_tokens)
+        return list(prompt)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check one prompt against the limits; returns its effective max_tokens."""
+        return self.engine.engine.validate_request(prompt_token_ids, params)
+
+
+@dataclass
+class ResponseLog:
+    """What the access log line reports of a request (never its text unless --log-prompts)."""
+
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    is_generation: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_time: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def now_seconds() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def stream_error(exc: Exception, log: ResponseLog) -> str:
+    """The event that ends a stream that failed after its 200 was sent."""
+    if not isinstance(exc, TokenmillError):
+        logger.error("request %s failed mid-stream", log.request_id, exc_info=exc)
+        exc = TokenmillError("internal server error")
+    log.extra["error"] = exc.http_status
+    return sse(error_body(exc))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def top_entries(entry: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
+    """The `limit` most likely tokens of one position, most likely first."""
+    ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
+    return ranked[:limit]
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come: (stream index, output)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+            await queue.put((index, done))
+        except BaseException as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+async def run_unless_disconnected(work: Awaitable, receive: Receive):
+    """Await `work`, cancelling it (which aborts its requests) if the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.create_task(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_task.done():
+            return work_task.result()
+        raise ClientDisconnected()
+    finally:
+        for task in (work_task, watch_task):
+            task.cancel()
+        await asyncio.gather(work_task, watch_task, return_exceptions=True)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    # The body has been read already, so the next message is the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Run requests to the end; their final outputs in stream order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for index, output in merge_streams(streams):
+        finals[index] = output
+    return finals  # type: ignore[return-value]
+
+
+@dataclass
+class ChoiceUpdate:
+    """What changed in one choice since the last update: new text, new tokens [start:end), finish."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    start: int
+    end: int
+    finish_reason: str | None
+
+
+@dataclass
+class ChoiceTracker:
+    """Turns the outputs of k prompts x n samples into per-choice updates (choice = prompt * n + sample)."""
+
+    n: int
+    num_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    def updates(self, prompt_index: int, output: RequestOutput) -> list[ChoiceUpdate]:
+        result = []
+        for sample in output.outputs:
+            index = prompt_index * self.n + sample.index
+            if index in self.finished:
+                continue
+            start, end = self.num_tokens.get(index, 0), len(sample.token_ids)
+            self.num_tokens[index] = end
+            text = output.deltas.get(sample.index, "")
+            if sample.finish_reason is not None:
+                self.finished.add(index)
+            elif not text and start == end:
+                continue
+            result.append(ChoiceUpdate(index, text, sample.token_ids, sample.logprobs, start, end,
+                                       sample.finish_reason))
+        return result
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.num_tokens.values())
+
+
+async def stream_updates(
+    streams: list[AsyncIterator[RequestOutput]], tracker: ChoiceTracker, log: ResponseLog
+) -> AsyncIterator[list[ChoiceUpdate]]:
+    """The choice updates of each engine output, as they come."""
+    async for prompt_index, output in merge_streams(streams):
+        updates = tracker.updates(prompt_index, output)
+        if updates:
+            if log.first_token_time is None:
+                log.first_token_time = time.time()
+            log.completion_tokens = tracker.num_completion_tokens
+            yield updates

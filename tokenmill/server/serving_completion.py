@@ -1,0 +1,116 @@
+"""POST /v1/completions: validate, run, and answer as one JSON body or as server-sent events."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive
+
+from tokenmill.errors import InvalidParameterError
+from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.serving_common import (
+    SSE_DONE, ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds,
+    run_unless_disconnected, sse, stream_error, stream_updates, top_entries, usage,
+)
+
+
+async def create_completion(
+    ctx: ServerContext, body: CompletionRequest, receive: Receive, log: ResponseLog
+) -> Response:
+    ctx.check_model(body.model)
+    prompts = body.prompts()
+    if body.echo and body.logprobs is not None:
+        raise InvalidParameterError("echo together with logprobs is not supported", param="echo")
+    params = body.sampling_params(body.max_tokens, body.logprobs, ctx.vocab_size)
+    prompt_token_ids = [ctx.tokenize(p) for p in prompts]
+    for ids in prompt_token_ids:
+        ctx.validate(ids, params)
+    ctx.check_accepting()
+
+    request_id = f"cmpl-{log.request_id}"
+    log.is_generation = True
+    log.prompt_tokens = sum(len(ids) for ids in prompt_token_ids)
+    prompt_texts = [p if isinstance(p, str) else None for p in prompts]
+    echoes = [text if text is not None else ctx.tokenizer.decode(ids)
+              for text, ids in zip(prompt_texts, prompt_token_ids)] if body.echo else None
+    streams = [
+        ctx.engine.generate(f"{request_id}-{i}", ids, params, prompt_text=text)
+        for i, (ids, text) in enumerate(zip(prompt_token_ids, prompt_texts))
+    ]
+    header = {"id": request_id, "object": "text_completion", "created": now_seconds(), "model": ctx.model_name}
+    if body.stream:
+        events = _stream(body, header, streams, echoes, log)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finals = await run_unless_disconnected(collect(streams), receive)
+    return JSONResponse(_response(body, header, finals, echoes, log))
+
+
+def _response(body: CompletionRequest, header: dict, finals: list[RequestOutput], echoes: list[str] | None,
+              log: ResponseLog) -> dict:
+    choices = []
+    for prompt_index, final in enumerate(finals):
+        for sample in final.outputs:
+            prefix = echoes[prompt_index] if echoes else ""
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _logprobs(sample.logprobs or [], sample.token_ids, 0, len(sample.token_ids),
+                                     body.logprobs, 0)
+            choices.append({
+                "index": prompt_index * body.n + sample.index,
+                "text": prefix + sample.text,
+                "logprobs": logprobs,
+                "finish_reason": sample.finish_reason,
+            })
+    log.completion_tokens = sum(len(s.token_ids) for f in finals for s in f.outputs)
+    log.first_token_time = min((f.metrics.first_token_time or 0.0 for f in finals), default=None) or None
+    return {**header, "choices": choices, "usage": usage(log.prompt_tokens, log.completion_tokens)}
+
+
+async def _stream(body: CompletionRequest, header: dict, streams: list[AsyncIterator[RequestOutput]],
+                  echoes: list[str] | None, log: ResponseLog) -> AsyncIterator[str]:
+    tracker = ChoiceTracker(body.n)
+    text_offsets: dict[int, int] = {}
+    try:
+        if echoes:
+            for prompt_index, text in enumerate(echoes):
+                for sample_index in range(body.n):
+                    yield sse(_chunk(header, prompt_index * body.n + sample_index, text, None, None))
+        async for updates in stream_updates(streams, tracker, log):
+            for update in updates:
+                logprobs = None
+                if body.logprobs is not None:
+                    offset = text_offsets.get(update.index, 0)
+                    logprobs = _logprobs(update.logprobs or [], update.token_ids, update.start, update.end,
+                                         body.logprobs, offset)
+                    text_offsets[update.index] = offset + sum(len(t) for t in logprobs["tokens"])
+                elif not update.text and update.finish_reason is None:
+                    continue
+                yield sse(_chunk(header, update.index, update.text, logprobs, update.finish_reason))
+        if body.include_usage:
+            yield sse({**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)})
+    except Exception as exc:  # headers are sent: the error goes in the stream
+        yield stream_error(exc, log)
+    yield SSE_DONE
+
+
+def _chunk(header: dict, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {**header, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                   "finish_reason": finish_reason}]}
+
+
+def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], start: int, end: int, num_top: int,
+              text_offset: int) -> dict:
+    """The legacy completions logprobs object for tokens [start, end)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids[start:end], entries[start:end]):
+        chosen = entry[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top_logprobs.append({lp.decoded_token: lp.logprob for _, lp in top_entries(entry, num_top)})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
