@@ -48,12 +48,20 @@ async def read_json_object(request: Request) -> dict:
     return body
 
 
-def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The ASGI app around one AsyncLLMEngine (started and stopped with the app's lifespan)."""
+def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              engine_thread: bool = True) -> FastAPI:
+    """The ASGI app around one AsyncLLMEngine, attached and stopped with the app's lifespan.
+
+    engine_thread: start the engine loop on a new thread; False when the caller runs
+    `ctx.engine.run_engine_loop()` on a thread of its own (the launcher uses the main thread).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        ctx.engine.start()
+        if engine_thread:
+            ctx.engine.start()
+        else:
+            ctx.engine.attach()
         try:
             yield
         finally:

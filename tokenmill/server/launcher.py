@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 from dataclasses import dataclass
 
 import uvicorn
@@ -103,12 +104,28 @@ def serve(options: ServeOptions) -> int:
     metrics = ServingMetrics(model_name)
     async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step)
     ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts)
-    app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+    app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False)
     config = uvicorn.Config(
         app, host=options.host, port=options.port, log_config=None, access_log=False,
         log_level=options.log_level, timeout_graceful_shutdown=5, lifespan="on",
     )
     server = DrainingServer(config, ctx, options.drain_timeout)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    # uvicorn on a second thread, the engine loop on this (main) thread: see run_engine_loop
+    http_thread = threading.Thread(target=_run_http, args=(server, async_engine), name="tokenmill-http")
     logger.info("serving %s on http://%s:%d/v1", model_name, options.host, options.port)
-    server.run()
+    http_thread.start()
+    while not async_engine.wait_attached(timeout=0.2):
+        if not http_thread.is_alive():  # uvicorn could not start (port in use, ...)
+            return 1
+    async_engine.run_engine_loop()
+    http_thread.join()
     return 0 if server.started else 1
+
+
+def _run_http(server: DrainingServer, async_engine: AsyncLLMEngine) -> None:
+    try:
+        server.run()
+    finally:
+        async_engine.request_stop()
