@@ -25,12 +25,14 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
-# Until the OpenAI-compatible server lands, serve runs a streamed chat demo on the default model.
+# The OpenAI-compatible server on the default model, loopback only. More flags: make serve SERVE_ARGS="--api-key k"
+SERVE_ARGS ?=
 serve: install
-	$(VENV)/bin/tokenmill generate --chat --max-tokens 128 "What is a paged KV cache, in two sentences?"
+	$(VENV)/bin/tokenmill serve --host 127.0.0.1 --port 8000 $(SERVE_ARGS)
 
 bench: install
 	$(PY) benchmarks/offline_throughput.py
+	$(PY) benchmarks/serve_latency.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,77 @@
+"""The app in-process (uvicorn on a thread, the tiny engine): internal failures stay inside one request."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import uvicorn
+from server_harness import ServerProcess, free_port, read_event
+
+import tokenmill.server.serving_completion as serving_completion
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.server.app import build_app
+from tokenmill.server.metrics import ServingMetrics
+from tokenmill.server.serving_common import ServerContext
+
+
+@pytest.fixture
+def app_server(tiny_llm, tmp_path):
+    metrics = ServingMetrics("tiny")
+    ctx = ServerContext(AsyncLLMEngine(tiny_llm.engine, step_observer=metrics.observe_step), "tiny", metrics)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(ctx), host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    yield ServerProcess(process=None, port=port, log_path=tmp_path / "unused.log")
+    server.should_exit = True
+    thread.join(30)
+    assert tiny_llm.engine.kv_cache.stats().num_used_blocks == 0
+
+
+def _fail_call(monkeypatch, target, name: str, failing_call: int) -> None:
+    real = getattr(target, name)
+    calls = {"n": 0}
+
+    def maybe_fail(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == failing_call:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, maybe_fail)
+
+
+def test_failed_engine_step_is_500_for_its_request_only(app_server, tiny_llm, monkeypatch):
+    _fail_call(monkeypatch, tiny_llm.engine.runner, "execute", 1)
+    result = app_server.post("/v1/completions", {"prompt": "doomed", "max_tokens": 4})
+    assert result.status == 500
+    error = result.json()["error"]
+    assert error["code"] == 500 and "injected" not in error["message"]  # no internals leak
+    assert app_server.post("/v1/completions", {"prompt": "fine", "max_tokens": 4}).status == 200
+
+
+def test_failure_mid_stream_ends_that_stream_with_an_error_event(app_server, tiny_llm, monkeypatch):
+    _fail_call(monkeypatch, tiny_llm.engine.runner, "execute", 3)
+    conn, response = app_server.open_stream("/v1/completions",
+                                            {"prompt": "stream", "max_tokens": 20, "ignore_eos": True})
+    assert response.status == 200
+    events = []
+    while (event := read_event(response)) not in (None, "[DONE]"):
+        events.append(event)
+    conn.close()
+    assert event == "[DONE]" and events[-1]["error"]["code"] == 500
+    assert app_server.post("/v1/completions", {"prompt": "fine", "max_tokens": 4}).status == 200
+
+
+def test_handler_bug_is_500_and_other_requests_still_work(app_server, monkeypatch):
+    _fail_call(monkeypatch, serving_completion, "_response", 1)
+    assert app_server.post("/v1/completions", {"prompt": "x", "max_tokens": 2}).status == 500
+    chat = app_server.post("/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status == 200 and chat.json()["usage"]["completion_tokens"] == 2
+    assert app_server.post("/v1/completions", {"prompt": "x", "max_tokens": 2}).status == 200
