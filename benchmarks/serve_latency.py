@@ -131,7 +131,7 @@ def main() -> None:
     ratio = burst["output_tps"] / offline["output_tps"]
     print(f"\nW3: {args.num_prompts} requests, {args.prompt_len}-token prompts, {args.output_len} output tokens")
     print(f"{'phase':<22}{'out tok/s':>10}{'TTFT med':>10}{'TTFT p99':>10}{'ITL med':>10}{'ITL p99':>10}")
-    for name, r in [(f"server c={args.concurrency}", c16), (f"server all at once", burst)]:
+    for name, r in [(f"server c={args.concurrency}", c16), ("server all at once", burst)]:
         print(f"{name:<22}{r['output_tps']:>10.1f}{r['ttft_median_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s"
               f"{r['itl_median_s'] * 1000:>8.0f}ms{r['itl_p99_s'] * 1000:>8.0f}ms")
     print(f"{'offline LLM.generate':<22}{offline['output_tps']:>10.1f}")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_common import (
-    SSE_DONE, ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds,
-    run_unless_disconnected, sse, stream_error, stream_updates, top_entries, usage,
+    ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds, run_unless_disconnected, sse_response,
+    stream_updates, top_entries, usage,
 )
 
 
@@ -46,7 +46,7 @@ async def create_chat_completion(
     streams = [ctx.engine.generate(request_id, prompt_token_ids, params, prompt_text=prompt)]
     header = {"id": request_id, "created": now_seconds(), "model": ctx.model_name}
     if body.stream:
-        return StreamingResponse(_stream(body, header, streams, num_top, log), media_type="text/event-stream")
+        return sse_response(_chunks(body, header, streams, num_top, log), log)
     (final,) = await run_unless_disconnected(collect(streams), receive)
     return JSONResponse(_response(header, final, num_top, log))
 
@@ -70,28 +70,24 @@ def _response(header: dict, final: RequestOutput, num_top: int | None, log: Resp
             "usage": usage(log.prompt_tokens, log.completion_tokens)}
 
 
-async def _stream(body: ChatCompletionRequest, header: dict, streams: list[AsyncIterator[RequestOutput]],
-                  num_top: int | None, log: ResponseLog) -> AsyncIterator[str]:
+async def _chunks(body: ChatCompletionRequest, header: dict, streams: list[AsyncIterator[RequestOutput]],
+                  num_top: int | None, log: ResponseLog) -> AsyncIterator[dict]:
     header = {**header, "object": "chat.completion.chunk"}
     tracker = ChoiceTracker(body.n)
-    try:
-        for index in range(body.n):
-            yield sse(_chunk(header, index, {"role": "assistant", "content": ""}, None, None))
-        async for updates in stream_updates(streams, tracker, log):
-            for update in updates:
-                logprobs = None
-                if num_top is not None:
-                    logprobs = {"content": _logprobs(update.logprobs or [], update.token_ids, update.start,
-                                                     update.end, num_top)}
-                elif not update.text and update.finish_reason is None:
-                    continue
-                delta = {"content": update.text} if update.text else {}
-                yield sse(_chunk(header, update.index, delta, logprobs, update.finish_reason))
-        if body.include_usage:
-            yield sse({**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)})
-    except Exception as exc:  # headers are sent: the error goes in the stream
-        yield stream_error(exc, log)
-    yield SSE_DONE
+    for index in range(body.n):
+        yield _chunk(header, index, {"role": "assistant", "content": ""}, None, None)
+    async for updates in stream_updates(streams, tracker, log):
+        for update in updates:
+            logprobs = None
+            if num_top is not None:
+                logprobs = {"content": _logprobs(update.logprobs or [], update.token_ids, update.start,
+                                                 update.end, num_top)}
+            elif not update.text and update.finish_reason is None:
+                continue
+            delta = {"content": update.text} if update.text else {}
+            yield _chunk(header, update.index, delta, logprobs, update.finish_reason)
+    if body.include_usage:
+        yield {**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)}
 
 
 def _chunk(header: dict, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
+from starlette.responses import StreamingResponse
 from starlette.types import Receive
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
@@ -89,6 +90,20 @@ def now_seconds() -> int:
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_response(chunks: AsyncIterator[dict], log: ResponseLog) -> StreamingResponse:
+    """Server-sent events of `chunks`, then [DONE]; a failure after the 200 becomes an error event."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except Exception as exc:  # headers are sent: the error goes in the stream
+            yield stream_error(exc, log)
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def stream_error(exc: Exception, log: ResponseLog) -> str:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving_common import (
-    SSE_DONE, ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds,
-    run_unless_disconnected, sse, stream_error, stream_updates, top_entries, usage,
+    ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds, run_unless_disconnected, sse_response,
+    stream_updates, top_entries, usage,
 )
 
 
@@ -41,8 +41,7 @@ async def create_completion(
     ]
     header = {"id": request_id, "object": "text_completion", "created": now_seconds(), "model": ctx.model_name}
     if body.stream:
-        events = _stream(body, header, streams, echoes, log)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return sse_response(_chunks(body, header, streams, echoes, log), log)
     finals = await run_unless_disconnected(collect(streams), receive)
     return JSONResponse(_response(body, header, finals, echoes, log))
 
@@ -68,31 +67,26 @@ def _response(body: CompletionRequest, header: dict, finals: list[RequestOutput]
     return {**header, "choices": choices, "usage": usage(log.prompt_tokens, log.completion_tokens)}
 
 
-async def _stream(body: CompletionRequest, header: dict, streams: list[AsyncIterator[RequestOutput]],
-                  echoes: list[str] | None, log: ResponseLog) -> AsyncIterator[str]:
+async def _chunks(body: CompletionRequest, header: dict, streams: list[AsyncIterator[RequestOutput]],
+                  echoes: list[str] | None, log: ResponseLog) -> AsyncIterator[dict]:
     tracker = ChoiceTracker(body.n)
     text_offsets: dict[int, int] = {}
-    try:
-        if echoes:
-            for prompt_index, text in enumerate(echoes):
-                for sample_index in range(body.n):
-                    yield sse(_chunk(header, prompt_index * body.n + sample_index, text, None, None))
-        async for updates in stream_updates(streams, tracker, log):
-            for update in updates:
-                logprobs = None
-                if body.logprobs is not None:
-                    offset = text_offsets.get(update.index, 0)
-                    logprobs = _logprobs(update.logprobs or [], update.token_ids, update.start, update.end,
-                                         body.logprobs, offset)
-                    text_offsets[update.index] = offset + sum(len(t) for t in logprobs["tokens"])
-                elif not update.text and update.finish_reason is None:
-                    continue
-                yield sse(_chunk(header, update.index, update.text, logprobs, update.finish_reason))
-        if body.include_usage:
-            yield sse({**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)})
-    except Exception as exc:  # headers are sent: the error goes in the stream
-        yield stream_error(exc, log)
-    yield SSE_DONE
+    for prompt_index, text in enumerate(echoes or []):
+        for sample_index in range(body.n):
+            yield _chunk(header, prompt_index * body.n + sample_index, text, None, None)
+    async for updates in stream_updates(streams, tracker, log):
+        for update in updates:
+            logprobs = None
+            if body.logprobs is not None:
+                offset = text_offsets.get(update.index, 0)
+                logprobs = _logprobs(update.logprobs or [], update.token_ids, update.start, update.end,
+                                     body.logprobs, offset)
+                text_offsets[update.index] = offset + sum(len(t) for t in logprobs["tokens"])
+            elif not update.text and update.finish_reason is None:
+                continue
+            yield _chunk(header, update.index, update.text, logprobs, update.finish_reason)
+    if body.include_usage:
+        yield {**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)}
 
 
 def _chunk(header: dict, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
