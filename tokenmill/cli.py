@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
     _add_serve_parser(sub)
+    from tokenmill.plan.report import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
