@@ -20,8 +20,9 @@ CHAT = [{"role": "user", "content": "Tell me about mills."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    """A tiny-model server with a small body limit."""
-    process = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--max-body-bytes", "65536"],
+    """A tiny-model server with a small body limit, given device peaks and a price."""
+    process = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--max-body-bytes", "65536",
+                            "--peak-tflops", "1", "--peak-bandwidth-gbs", "50", "--cost-per-hour", "2"],
                            tmp_path_factory.mktemp("server"))
     yield process
     assert process.stop() == 0, process.log()
@@ -169,20 +170,48 @@ def test_disconnects_abort_and_free_kv_blocks(server):
 
 
 def test_metrics_count_tokens_and_requests(server, tokenizer):
-    before = {name: server.metric(name) for name in (
-        "tokenmill:prompt_tokens_total", "tokenmill:generation_tokens_total",
-        "tokenmill:time_to_first_token_seconds_count", "tokenmill:e2e_request_latency_seconds_count")}
+    counted = ("prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
+               "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+               "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+               "time_per_output_token_seconds_count", "request_prompt_tokens_sum")
+    before = {name: server.metric("tokenmill:" + name) for name in counted}
+    stats_before = server.request("GET", "/v1/stats").json()
     prompts = ["count these tokens", "and these ones as well"]
     result = server.post("/v1/completions", {"prompt": prompts, "max_tokens": 7, "ignore_eos": True, "n": 2})
     usage = result.json()["usage"]
     assert usage["prompt_tokens"] == sum(len(tokenizer(p)["input_ids"]) for p in prompts)
     assert usage["completion_tokens"] == 2 * 2 * 7
-    delta = {name: server.metric(name) - value for name, value in before.items()}
-    assert delta["tokenmill:prompt_tokens_total"] == usage["prompt_tokens"]
-    assert delta["tokenmill:generation_tokens_total"] == usage["completion_tokens"]
-    assert delta["tokenmill:time_to_first_token_seconds_count"] == 2
-    assert delta["tokenmill:e2e_request_latency_seconds_count"] == 2
+    delta = {name: server.metric("tokenmill:" + name) - value for name, value in before.items()}
+    assert delta["prompt_tokens_total"] == delta["request_prompt_tokens_sum"] == usage["prompt_tokens"]
+    assert delta["generation_tokens_total"] == usage["completion_tokens"]
+    for name in counted[2:-1]:  # one observation per request (each prompt is a request)
+        assert delta[name] == 2, name
     assert server.metric("tokenmill:kv_cache_usage_perc") == 0.0
+    stats = server.request("GET", "/v1/stats").json()
+    assert stats["totals"]["generation_tokens"] - stats_before["totals"]["generation_tokens"] == 28
+    window = stats["window"]
+    assert 0 < window["engine_busy_fraction"] <= 1 and window["mean_batch_size"] >= 1
+    assert 0 < window["token_budget_occupancy"] <= 1
+    assert 0 < window["model_flops_utilization"] < 1 and 0 < window["memory_bandwidth_utilization"] < 1
+    assert window["cost_per_1m_output_tokens"] > window["cost_per_1m_total_tokens"] > 0
+    assert server.metric("tokenmill:cost_per_1m_output_tokens") > 0
+
+
+def test_preemptions_are_counted_under_a_tiny_kv_budget(tiny_llama_dir, tmp_path):
+    # 40 blocks of 16 tokens; four requests of ~200 tokens need 13 blocks each
+    small = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--kv-cache-memory",
+                          str(40 * 8192)], tmp_path)
+    try:
+        body = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: small.post("/v1/completions", {**body, "prompt": f"story {i}"}),
+                                    range(4)))
+        assert all(r.status == 200 and r.json()["usage"]["completion_tokens"] == 200 for r in results)
+        assert small.metric("tokenmill:num_preemptions_total") > 0
+        assert small.metric("tokenmill:kv_cache_usage_perc") == 0.0
+        assert small.request("GET", "/v1/stats").json()["engine"]["num_preemptions"] > 0
+    finally:
+        assert small.stop() == 0
 
 
 def test_api_key_is_required_except_on_health(guarded_server):

@@ -62,6 +62,13 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--log-prompts", action="store_true", help="include request bodies in the access log")
     serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=16 * 1024 * 1024)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--cost-per-hour", type=float, default=None,
+                       help="what the machine costs; enables live cost per 1M tokens in /metrics")
+    serve.add_argument("--peak-tflops", type=float, default=None,
+                       help="device peak for MFU (default: measured on CPU, catalog on known GPUs)")
+    serve.add_argument("--peak-bandwidth-gbs", type=float, default=None, help="device peak for MBU")
+    serve.add_argument("--metrics-window", type=float, default=60.0, metavar="S",
+                       help="sliding window of the utilization and cost gauges")
     serve.set_defaults(func=_serve)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache_manager import KVCacheManager, KVCacheStats
+from tokenmill.engine.metrics import StepStats
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import InvalidParameterError
@@ -41,6 +42,8 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     kv_cache: KVCacheStats
+    num_steps: int = 0
+    last_step: StepStats | None = None
 
 
 class LLMEngine:
@@ -63,6 +66,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
         self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size, self.device, self.dtype)
         self._seed_rng = random.Random(config.seed)
+        self.num_steps = 0
+        self.last_step: StepStats | None = None
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[_Group, int]] = {}
         logger.info(
@@ -170,12 +175,16 @@ class LLMEngine:
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that made progress."""
+        start = time.time()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
         sampled = self.runner.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, sampled)
-        return self._process_outputs(updated)
+        outputs = self._process_outputs(updated)
+        self.num_steps += 1
+        self.last_step = StepStats.from_schedule(scheduler_output, len(updated), start, time.time() - start)
+        return outputs
 
     def _process_outputs(self, updated: list[Request]) -> list[RequestOutput]:
         deltas_by_group: dict[str, dict[int, str]] = {}
@@ -248,6 +257,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
             kv_cache=self.kv_cache.stats(),
+            num_steps=self.num_steps,
+            last_step=self.last_step,
         )
 
 

@@ -91,6 +91,8 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
         except TokenmillError as exc:
             if exc.http_status >= 500 and exc.http_status != 503:
                 logger.error("request failed: %s", exc.message)
+            elif exc.http_status != 503:  # 503s were counted where they were decided
+                ctx.metrics.observe_rejection(exc.error_type)
             return error_response(exc)
         except ClientDisconnected:
             log.extra["aborted"] = "client_disconnected"
@@ -138,6 +140,10 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/stats")
+    async def stats() -> Response:
+        return JSONResponse(ctx.metrics.snapshot())
 
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:

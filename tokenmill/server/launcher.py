@@ -13,6 +13,7 @@ import uvicorn
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.engine_core import LLMEngine
+from tokenmill.engine.metrics import CostModel, UtilizationWindow
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from tokenmill.server.metrics import ServingMetrics
 from tokenmill.server.serving_common import ServerContext
@@ -41,6 +42,10 @@ class ServeOptions:
     device: str = "auto"
     seed: int = 0
     log_prompts: bool = False
+    cost_per_hour: float | None = None
+    peak_tflops: float | None = None
+    peak_bandwidth_gbs: float | None = None
+    metrics_window: float = 60.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
 
@@ -85,6 +90,36 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _cost_model(engine: LLMEngine, options: ServeOptions) -> CostModel:
+    """FLOPs and bytes per step of the loaded model, against the device's peaks: given, else measured
+    (CPU, cached) or from the catalog (known GPUs); unknown peaks leave MFU/MBU undefined."""
+    import torch
+
+    from tokenmill.plan.hardware import match_cuda_device, this_cpu
+    from tokenmill.plan.model_math import ModelMath
+
+    peak_tflops, peak_gbs = options.peak_tflops, options.peak_bandwidth_gbs
+    if peak_tflops is None or peak_gbs is None:
+        if engine.device.type == "cpu":
+            device = this_cpu()
+        else:
+            device = match_cuda_device(torch.cuda.get_device_name(engine.device))
+        if device is not None:
+            peak_tflops = peak_tflops if peak_tflops is not None else device.bf16_tflops
+            peak_gbs = peak_gbs if peak_gbs is not None else device.bandwidth_gbs
+    model = ModelMath(engine.model_config)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    c = engine.model_config
+    return CostModel(
+        matmul_params=model.num_matmul_params, weight_bytes=model.weight_bytes(dtype),
+        kv_bytes_per_token=model.kv_bytes_per_token(dtype),
+        attention_flops_per_pair=4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim,
+        peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
+        peak_bandwidth=None if peak_gbs is None else peak_gbs * 1e9,
+        cost_per_hour=options.cost_per_hour, max_num_batched_tokens=options.max_num_batched_tokens,
+    )
+
+
 def serve(options: ServeOptions) -> int:
     """Load the model and serve until a signal drains the server; returns the exit status."""
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -101,7 +136,7 @@ def serve(options: ServeOptions) -> int:
         ),
     ))
     model_name = options.served_model_name or options.model or DEFAULT_MODEL_NAME
-    metrics = ServingMetrics(model_name)
+    metrics = ServingMetrics(model_name, UtilizationWindow(_cost_model(engine, options), options.metrics_window))
     async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step)
     ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts)
     app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False)

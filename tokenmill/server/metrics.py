@@ -1,21 +1,35 @@
-"""Prometheus metrics of a serving engine, named as vLLM names them with a `tokenmill:` prefix.
+"""Prometheus metrics of a serving engine, named as vLLM names them with a `tokenmill:` prefix,
+plus what vLLM does not show: busy fraction, batch size, budget occupancy, MFU/MBU and cost.
 
-Fed once per engine step on the event loop (AsyncLLMEngine's step observer), so no locks of ours.
+Fed once per engine step on the event loop (AsyncLLMEngine's step observer), so no locks of ours;
+the windowed figures are computed when /metrics or /v1/stats is read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from tokenmill.engine.engine_core import EngineStats
+from tokenmill.engine.metrics import UtilizationWindow
 from tokenmill.outputs import RequestOutput
 
 PREFIX = "tokenmill:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_WINDOW_GAUGES = {
+    "engine_busy_fraction": "Share of wall time the engine loop spent in steps",
+    "mean_batch_size": "Mean sequences per engine step",
+    "token_budget_occupancy": "Mean tokens per step / max_num_batched_tokens",
+    "model_flops_utilization": "Estimated model FLOP/s / device peak",
+    "memory_bandwidth_utilization": "Estimated bytes/s (weights + KV) / device peak",
+    "output_tokens_per_second": "Generated tokens per second",
+    "cost_per_1m_output_tokens": "Dollars per 1M generated tokens at --cost-per-hour",
+    "cost_per_1m_total_tokens": "Dollars per 1M computed tokens (prompt + generated) at --cost-per-hour",
+}
 _LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -31,7 +45,7 @@ class _Progress:
 class ServingMetrics:
     """The /metrics registry of one server."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, window: UtilizationWindow | None = None) -> None:
         disable_created_metrics()  # the *_created series only add noise to a scrape
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -65,19 +79,59 @@ class ServingMetrics:
         self.request_generation_tokens = metric(
             Histogram, "request_generation_tokens", "Tokens generated per finished request.",
             buckets=_LENGTH_BUCKETS)
+        self.time_per_output_token = metric(
+            Histogram, "time_per_output_token_seconds", "Decode time / (output tokens - 1), per request.",
+            buckets=_LATENCY_BUCKETS)
+        self.request_queue_time = metric(
+            Histogram, "request_queue_time_seconds", "Arrival to first scheduled.", buckets=_REQUEST_BUCKETS)
+        self.request_prefill_time = metric(
+            Histogram, "request_prefill_time_seconds", "First scheduled to first token.", buckets=_REQUEST_BUCKETS)
+        self.request_decode_time = metric(
+            Histogram, "request_decode_time_seconds", "First token to last token.", buckets=_REQUEST_BUCKETS)
+        self.window = window
+        if window is not None:
+            for key, doc in _WINDOW_GAUGES.items():
+                gauge = metric(Gauge, key, f"{doc} (last {window.window_seconds:g} s).")
+                gauge.set_function(lambda key=key: self._window_value(key))
+        self._window_values: dict[str, float] = {}
         self._progress: dict[str, _Progress] = {}
         self._last_stats: EngineStats | None = None
+        self.engine_stats: EngineStats | None = None
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "requests_rejected": 0}
 
     def observe_rejection(self, reason: str) -> None:
         self.requests_rejected.labels(reason=reason, **self._labels).inc()
+        self.totals["requests_rejected"] += 1
 
     def observe_step(self, now: float, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        previous = self._last_stats
+        if self.window is not None and stats.last_step is not None and (
+                previous is None or stats.num_steps > previous.num_steps):
+            self.window.add(stats.last_step)
         self._observe_stats(stats)
         for output in outputs:
             self._observe_output(now, output)
 
     def render(self) -> bytes:
+        self._window_values = self.window_summary()  # one summary per scrape, read by every window gauge
         return generate_latest(self.registry)
+
+    def window_summary(self) -> dict[str, float]:
+        return self.window.summary() if self.window is not None else {}
+
+    def snapshot(self) -> dict:
+        """The same numbers as /metrics, as JSON for people and dashboards (NaN becomes null)."""
+        stats = self.engine_stats
+        engine = {}
+        if stats is not None:
+            engine = {"num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
+                      "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps,
+                      "kv_cache": asdict(stats.kv_cache)}
+        window = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.window_summary().items()}
+        return {"model": self._labels["model_name"], "engine": engine, "totals": dict(self.totals), "window": window}
+
+    def _window_value(self, key: str) -> float:
+        return self._window_values.get(key, math.nan)
 
     def _observe_stats(self, stats: EngineStats) -> None:
         kv = stats.kv_cache
@@ -91,6 +145,7 @@ class ServingMetrics:
             self.prefix_cache_queries.inc(kv.prefix_cache_queries - previous.kv_cache.prefix_cache_queries)
             self.prefix_cache_hits.inc(kv.prefix_cache_hits - previous.kv_cache.prefix_cache_hits)
         self._last_stats = stats
+        self.engine_stats = stats
 
     def _observe_output(self, now: float, output: RequestOutput) -> None:
         progress = self._progress.get(output.request_id)
@@ -109,15 +164,30 @@ class ServingMetrics:
             progress.num_output_tokens[index] += num_new
             progress.last_token_time[index] = now
             self.generation_tokens.inc(num_new)
+            self.totals["generation_tokens"] += num_new
         if not progress.prompt_counted and output.metrics.first_token_time is not None:
             progress.prompt_counted = True
             self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.totals["prompt_tokens"] += len(output.prompt_token_ids)
             self.time_to_first_token.observe(output.metrics.first_token_time - arrival)
         if output.finished:
             del self._progress[output.request_id]
             reason = output.outputs[0].finish_reason or "abort"
             self.request_success.labels(finished_reason=reason, **self._labels).inc()
+            self.totals["requests_finished"] += 1
             if progress.prompt_counted:
-                self.e2e_request_latency.observe(now - arrival)
-                self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-                self.request_generation_tokens.observe(sum(progress.num_output_tokens))
+                self._observe_finished(now, output, sum(progress.num_output_tokens))
+
+    def _observe_finished(self, now: float, output: RequestOutput, num_output_tokens: int) -> None:
+        times = output.metrics
+        self.e2e_request_latency.observe(now - times.arrival_time)
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(num_output_tokens)
+        if times.first_scheduled_time is not None:
+            self.request_queue_time.observe(times.first_scheduled_time - times.arrival_time)
+            self.request_prefill_time.observe(times.first_token_time - times.first_scheduled_time)
+        decode_time = now - times.first_token_time
+        self.request_decode_time.observe(decode_time)
+        tokens_per_sequence = num_output_tokens / max(1, len(output.outputs))
+        if tokens_per_sequence > 1:
+            self.time_per_output_token.observe(decode_time / (tokens_per_sequence - 1))
