@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.plan.report import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks: a server under load, or continuous vs static batching")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from tokenmill.bench import offline, serve
+
+    serve.add_parser(bench_sub)
+    offline.add_parser(bench_sub)
     return parser
 
 
