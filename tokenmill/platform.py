@@ -59,14 +59,23 @@ def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    return _meminfo_bytes("MemAvailable") or int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def total_memory_bytes() -> int:
+    """Installed RAM."""
+    return _meminfo_bytes("MemTotal") or int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _meminfo_bytes(key: str) -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    return None
 
 
 def set_cpu_threads() -> None:

@@ -70,6 +70,8 @@ def this_cpu(refresh: bool = False) -> Accelerator:
     """This machine's CPU: matmul throughput and memory bandwidth measured (a few seconds), then cached."""
     import torch
 
+    from tokenmill.platform import total_memory_bytes
+
     key = f"{platform.processor() or platform.machine()}|{_cpu_model()}|threads={torch.get_num_threads()}"
     if not refresh and _CACHE.is_file():
         try:
@@ -79,7 +81,7 @@ def this_cpu(refresh: bool = False) -> Accelerator:
         except (OSError, ValueError, TypeError):
             pass
     accelerator = Accelerator(
-        name="cpu", memory_gb=_total_memory_bytes() / 1e9, bandwidth_gbs=measure_bandwidth_gbs(),
+        name="cpu", memory_gb=total_memory_bytes() / 1e9, bandwidth_gbs=measure_bandwidth_gbs(),
         bf16_tflops=measure_matmul_tflops(), price_per_hour=CPU_PRICE_PER_HOUR,
     )
     try:
@@ -132,14 +134,3 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return "unknown"
-
-
-def _total_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
