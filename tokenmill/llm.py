@@ -35,6 +35,7 @@ class LLM:
         device: str = "auto",
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1:
             raise InvalidParameterError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
@@ -49,6 +50,7 @@ class LLM:
             dtype=dtype,
             device=device,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,
@@ -64,6 +66,16 @@ class LLM:
         )
         self.engine = LLMEngine(config)
         self._counter = itertools.count()
+
+    def close(self) -> None:
+        """Release tensor-parallel worker processes (nothing to do on one device)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

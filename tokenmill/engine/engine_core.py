@@ -7,6 +7,8 @@ import random
 import time
 from dataclasses import dataclass
 
+import torch
+
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache_manager import KVCacheManager, KVCacheStats
@@ -15,6 +17,8 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import InvalidParameterError
 from tokenmill.models.loader import load_model
+from tokenmill.parallel.executor import TensorParallelExecutor, WorkerSpec, free_port
+from tokenmill.parallel.sharding import check_divisible, shard_config
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.platform import available_memory_bytes, resolve_device, resolve_dtype, set_cpu_threads
 from tokenmill.sampling_params import SamplingParams
@@ -53,18 +57,33 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        tp = config.tensor_parallel_size
+        if tp < 1:
+            raise InvalidParameterError("tensor_parallel_size must be at least 1", param="tensor_parallel_size")
         if self.device.type == "cpu":
             set_cpu_threads()
-        loaded = load_model(config.model, self.dtype, self.device, config.scheduler.max_model_len)
+            torch.set_num_threads(max(1, torch.get_num_threads() // tp))  # the cores are shared by the ranks
+        loaded = load_model(config.model, self.dtype, self.device, config.scheduler.max_model_len,
+                            pack_weights=tp == 1)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.model_path = loaded.path
+        if tp > 1:
+            check_divisible(self.model_config, tp)
         cache = config.cache
         num_blocks = cache.num_blocks or self._num_blocks_from_budget()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
-        self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size, self.device, self.dtype)
+        if tp > 1:
+            spec = WorkerSpec(
+                rank=0, world_size=tp, port=free_port(), model=None if config.model is None else str(loaded.path),
+                dtype=str(self.dtype).removeprefix("torch."), device=config.device, max_model_len=self.max_model_len,
+                num_blocks=num_blocks, block_size=cache.block_size, num_threads=torch.get_num_threads(),
+            )
+            self.runner = TensorParallelExecutor(loaded.model, spec, self.device, self.dtype)
+        else:
+            self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size, self.device, self.dtype)
         self._seed_rng = random.Random(config.seed)
         self.num_steps = 0
         self.last_step: StepStats | None = None
@@ -76,8 +95,12 @@ class LLMEngine:
         )
 
     def _num_blocks_from_budget(self) -> int:
+        """Blocks that fit the KV budget of one device (each rank holds 1/tp of every block)."""
         cache = self.config.cache
-        per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        model_config = self.model_config
+        if self.config.tensor_parallel_size > 1:
+            model_config = shard_config(model_config, self.config.tensor_parallel_size)
+        per_block = kv_cache_bytes_per_block(model_config, cache.block_size, self.dtype)
         budget = cache.kv_cache_memory
         if budget is None:
             fraction = cache.kv_cache_memory_fraction or _DEFAULT_KV_FRACTION.get(self.device.type, 0.1)
@@ -250,6 +273,11 @@ class LLMEngine:
             num_cached_tokens=group.children[0].num_cached_tokens,
             deltas=deltas,
         )
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any (the engine is unusable afterwards)."""
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(

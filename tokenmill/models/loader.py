@@ -73,8 +73,13 @@ def load_tokenizer(path: Path):
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
 
 
-def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> LoadedModel:
-    """Load config, weights and tokenizer. Every failure is a ModelLoadError."""
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
+               pack_weights: bool = True, with_tokenizer: bool = True) -> LoadedModel:
+    """Load config, weights and tokenizer. Every failure is a ModelLoadError.
+
+    pack_weights=False leaves plain nn.Linear weights (to be sharded first); with_tokenizer=False
+    skips the tokenizer (tensor-parallel workers never detokenize).
+    """
     path = resolve_model_path(model)
     if path.is_file():
         if path.suffix != ".gguf":
@@ -98,15 +103,16 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     net = build_model(config, context, dtype, device)
     net.load_weights(weights)
     net.eval()
-    _maybe_pack_weights(net, dtype, device)
-    tokenizer = load_tokenizer(path)
-    eos = tokenizer.eos_token_id
+    if pack_weights:
+        maybe_pack_weights(net, dtype, device)
+    tokenizer = load_tokenizer(path) if with_tokenizer else None
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is not None and eos not in config.eos_token_ids:
         config.eos_token_ids.append(eos)
     return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context)
 
 
-def _maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
+def maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """On bf16 CPUs, add oneDNN-packed copies of the linear weights (~20% faster batched matmuls)
     when the extra copy costs under a tenth of the free memory."""
     if not packing_available(device, dtype):

@@ -56,6 +56,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
         """Run one step; returns one sampled token per sequence that samples, in order."""
+        logits = self.forward(scheduler_output)
+        if logits is None:
+            return []
+        return sample(logits, [s.sampling for s in scheduler_output.sequences if s.sampling is not None])
+
+    @torch.inference_mode()
+    def forward(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        """The forward pass: writes the new K/V; returns float32 logits [num_samples, vocab] of the
+        sequences that sample this step (their last new token), or None if none does."""
         seqs = scheduler_output.sequences
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
         metadata = build_attention_metadata(
@@ -67,14 +76,12 @@ class ModelRunner:
         ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
         hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
 
-        sample_rows, specs, end = [], [], 0
+        sample_rows, end = [], 0
         for s in seqs:
             end += len(s.token_ids)
             if s.sampling is not None:
                 sample_rows.append(end - 1)
-                specs.append(s.sampling)
-        if not specs:
-            return []
+        if not sample_rows:
+            return None
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
-        return sample(logits, specs)
+        return self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]

@@ -1,0 +1,82 @@
+"""Tensor parallelism on gloo (CPU): same tokens as one device, half the weights per rank, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidParameterError
+from tokenmill.parallel.executor import WorkerDiedError
+
+PROMPTS = [
+    "Once upon a time, in a kingdom by the sea, there lived a king who loved numbers more than gold.",
+    "Water runs under the bridge and",
+    "Short",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def _param_bytes(module) -> int:
+    seen, total = set(), 0
+    for tensor in list(module.parameters()) + [getattr(m, "packed_weight", None) for m in module.modules()]:
+        if tensor is not None and id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _assert_same(reference, outputs):
+    for ref, out in zip(reference, outputs):
+        ref, out = ref.outputs[0], out.outputs[0]
+        assert out.token_ids == ref.token_ids
+        for token_id, a, b in zip(ref.token_ids, ref.logprobs, out.logprobs):
+            assert abs(a[token_id].logprob - b[token_id].logprob) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_matches_one_device(tiny_model_dirs, arch):
+    path = str(tiny_model_dirs[arch])
+    reference = LLM(model=path, dtype="float32", num_kv_blocks=128).generate(PROMPTS, GREEDY, use_tqdm=False)
+    # chunked prefill (7-token budget) and preemption (6 blocks for 3 sequences of up to 46 tokens)
+    with LLM(model=path, dtype="float32", num_kv_blocks=6, max_num_batched_tokens=7, tensor_parallel_size=2) as tp:
+        _assert_same(reference, tp.generate(PROMPTS, GREEDY, use_tqdm=False))
+        assert tp.stats().num_preemptions > 0
+
+
+def test_each_rank_holds_about_half_the_weights(tiny_llama_dir):
+    one = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
+    with LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2) as tp:
+        full, shard = _param_bytes(one.engine.runner.model), _param_bytes(tp.engine.runner.model)
+        assert 0.45 <= shard / full <= 0.55
+        kv_full, kv_shard = one.engine.runner.kv_cache, tp.engine.runner.runner.kv_cache
+        assert kv_shard.numel() * 2 == kv_full.numel()  # half the KV heads
+
+
+def test_indivisible_heads_are_a_clear_error(tiny_llama_dir):
+    with pytest.raises(InvalidParameterError, match="tensor_parallel_size 3 does not divide the model's 4 attention"):
+        LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, tensor_parallel_size=3)
+
+
+def test_a_dead_worker_is_reported(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        llm.generate("warm", SamplingParams(max_tokens=2), use_tqdm=False)
+        worker = llm.engine.runner.workers[0]
+        worker.kill()
+        worker.wait()
+        with pytest.raises(WorkerDiedError, match="worker 1 exited"):
+            llm.generate("after", SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.close()
+    assert all(w.poll() is not None for w in llm.engine.runner.workers)
+
+
+@pytest.mark.slow
+def test_default_model_tp3_matches_and_tp2_is_refused(default_llm):
+    with pytest.raises(InvalidParameterError, match="does not divide the model's 9 attention heads"):
+        LLM(dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    prompts = ["The capital of France is", "A water mill grinds"]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1)
+    reference = default_llm.generate(prompts, params, use_tqdm=False)
+    with LLM(dtype="float32", num_kv_blocks=64, tensor_parallel_size=3) as tp:
+        _assert_same(reference, tp.generate(prompts, params, use_tqdm=False))

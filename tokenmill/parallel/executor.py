@@ -1,0 +1,158 @@
+"""Tensor-parallel execution: rank 0 (the engine's process) plus N-1 worker processes.
+
+The scheduler runs once, on rank 0. Each step, rank 0 broadcasts a JSON description of the
+scheduled sequences (token ids, cached lengths, block tables, which rows need logits) over the
+process group; every rank runs the same forward on its shard, meeting at the all-reduces; only
+rank 0 samples. Workers are `python -m tokenmill.parallel.worker` processes that rendezvous
+through a TCPStore on 127.0.0.1; no Python objects are ever unpickled from the wire.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from tokenmill.errors import TokenmillError
+from tokenmill.layers.sampler import SampledToken
+from tokenmill.models.loader import maybe_pack_weights
+from tokenmill.models.llama import DecoderForCausalLM
+from tokenmill.parallel.sharding import ShardInfo, shard_model
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+LOGITS_ONLY = "logits"  # workers compute the logits rows (the LM head all-gathers) but never sample
+
+
+class WorkerDiedError(TokenmillError):
+    """A tensor-parallel worker process is gone; the engine cannot continue."""
+
+    http_status = 500
+    error_type = "internal_error"
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, passed as JSON on its command line."""
+
+    rank: int
+    world_size: int
+    port: int
+    model: str | None
+    dtype: str
+    device: str
+    max_model_len: int | None
+    num_blocks: int
+    block_size: int
+    num_threads: int
+
+
+def make_group(store: dist.Store, rank: int, world_size: int, device: torch.device):
+    """A process group object of our own (no torch.distributed global state)."""
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    return dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
+
+
+def broadcast_step(group, scheduler_output: SchedulerOutput | None) -> None:
+    """Rank 0: send the step (None = stop) to every worker."""
+    if scheduler_output is None:
+        payload = b""
+    else:
+        payload = json.dumps([[s.token_ids, s.num_computed_tokens, s.block_ids, s.sampling is not None]
+                              for s in scheduler_output.sequences]).encode()
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    group.broadcast(length, 0).wait()
+    if payload:
+        group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0).wait()
+
+
+def receive_step(group) -> SchedulerOutput | None:
+    """Workers: the next step, or None when rank 0 stops."""
+    length = torch.zeros(1, dtype=torch.int64)
+    group.broadcast(length, 0).wait()
+    if int(length) == 0:
+        return None
+    payload = torch.empty(int(length), dtype=torch.uint8)
+    group.broadcast(payload, 0).wait()
+    rows = json.loads(bytes(payload.numpy()).decode())
+    return SchedulerOutput([
+        ScheduledSequence("", token_ids, num_computed, block_ids, LOGITS_ONLY if needs_logits else None)
+        for token_ids, num_computed, block_ids, needs_logits in rows
+    ])
+
+
+class TensorParallelExecutor:
+    """Rank 0's side: owns the worker processes and its own shard; execute() like a ModelRunner."""
+
+    def __init__(self, full_model: DecoderForCausalLM, spec: WorkerSpec, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        world = spec.world_size
+        self.store = dist.TCPStore("127.0.0.1", spec.port, world, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                                   wait_for_workers=False)
+        self.workers: list[subprocess.Popen] = []
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        for rank in range(1, world):
+            worker_spec = json.dumps(asdict(WorkerSpec(**{**asdict(spec), "rank": rank})))
+            self.workers.append(subprocess.Popen(
+                [sys.executable, "-m", "tokenmill.parallel.worker", worker_spec], env=env))
+        try:
+            self.group = make_group(self.store, 0, world, device)
+        except Exception as exc:
+            self.shutdown()
+            raise WorkerDiedError(f"tensor-parallel workers did not join: {exc}") from exc
+        shard = shard_model(full_model, ShardInfo(0, world, self.group))
+        maybe_pack_weights(shard, dtype, device)
+        self.model = shard
+        self.runner = ModelRunner(shard, spec.num_blocks, spec.block_size, device, dtype)
+        self.world_size = world
+        self._stopped = False
+        atexit.register(self.shutdown)  # never leave workers behind, even without LLM.close()
+
+    def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
+        self.check_workers()
+        try:
+            broadcast_step(self.group, scheduler_output)
+            return self.runner.execute(scheduler_output)
+        except RuntimeError as exc:  # a collective failed: most likely a worker is gone
+            self.check_workers()
+            raise WorkerDiedError(f"tensor-parallel step failed: {exc}") from exc
+
+    def check_workers(self) -> None:
+        for rank, worker in enumerate(self.workers, start=1):
+            code = worker.poll()
+            if code is not None:
+                raise WorkerDiedError(f"tensor-parallel worker {rank} exited with status {code}")
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then firmly); safe to call twice."""
+        if getattr(self, "_stopped", True) is False and all(w.poll() is None for w in self.workers):
+            try:
+                broadcast_step(self.group, None)
+            except RuntimeError:
+                pass
+        self._stopped = True
+        for worker in self.workers:
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
