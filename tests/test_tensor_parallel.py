@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
 import pytest
+from server_harness import start_server
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidParameterError
@@ -80,3 +85,48 @@ def test_default_model_tp3_matches_and_tp2_is_refused(default_llm):
     reference = default_llm.generate(prompts, params, use_tqdm=False)
     with LLM(dtype="float32", num_kv_blocks=64, tensor_parallel_size=3) as tp:
         _assert_same(reference, tp.generate(prompts, params, use_tqdm=False))
+
+
+def _worker_pids(parent_pid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent_pid and b"tokenmill.parallel.worker" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_server_ends_with_a_clear_error_when_a_worker_dies(tiny_llama_dir, tmp_path):
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--tensor-parallel-size", "2"],
+                          tmp_path)
+    try:
+        result = server.post("/v1/completions", {"prompt": "The mill", "max_tokens": 6, "temperature": 0})
+        assert result.status == 200 and result.json()["usage"]["completion_tokens"] == 6
+        (worker,) = _worker_pids(server.process.pid)
+        os.kill(worker, signal.SIGKILL)
+        assert server.process.wait(60) == 1
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "tensor-parallel worker 1 exited" in server.log()
+    assert not _worker_pids(server.process.pid)
+
+
+@pytest.mark.slow
+def test_server_tp3_on_the_default_model(default_llm, tmp_path):
+    server = start_server(["--dtype", "float32", "--max-model-len", "512", "--tensor-parallel-size", "3"], tmp_path)
+    try:
+        result = server.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 12,
+                                                 "temperature": 0})
+        expected = default_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12),
+                                        use_tqdm=False)[0].outputs[0].text
+        assert result.status == 200 and result.json()["choices"][0]["text"] == expected
+        assert len(_worker_pids(server.process.pid)) == 2
+        assert server.stop() == 0
+    finally:
+        server.stop(signal.SIGKILL)

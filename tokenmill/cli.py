@@ -15,7 +15,15 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                    tensor_parallel_size=args.tensor_parallel_size, rendezvous=args.rendezvous,
                                     scheduler=SchedulerConfig(max_model_len=args.max_model_len)))
+    try:
+        return _stream_generation(engine, args, params)
+    finally:
+        engine.shutdown()
+
+
+def _stream_generation(engine, args: argparse.Namespace, params) -> int:
     prompt = args.prompt
     if args.chat:
         tokenizer = engine.tokenizer
@@ -69,7 +77,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--peak-bandwidth-gbs", type=float, default=None, help="device peak for MBU")
     serve.add_argument("--metrics-window", type=float, default=60.0, metavar="S",
                        help="sliding window of the utilization and cost gauges")
-    serve.set_defaults(func=_serve)
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model over N processes (gloo on CPU, NCCL on GPUs)")
+    serve.set_defaults(func=_serve, rendezvous=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="auto")
     gen.add_argument("--max-model-len", type=int, default=None)
-    gen.set_defaults(func=_generate)
+    gen.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over N processes")
+    gen.set_defaults(func=_generate, rendezvous=None)
     _add_serve_parser(sub)
     from tokenmill.plan.report import add_parser as add_plan_parser
 
@@ -101,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "generate"):
+        from tokenmill.parallel.executor import torchrun_rendezvous
+
+        launch = torchrun_rendezvous()
+        if launch is not None:  # started by torchrun: rank 0 runs the engine, the others are its workers
+            rank, rendezvous = launch
+            if rank > 0:
+                from tokenmill.parallel.worker import main as worker_main
+
+                return worker_main([rendezvous.host, str(rendezvous.port), str(rank), str(rendezvous.world_size)])
+            args.tensor_parallel_size, args.rendezvous = rendezvous.world_size, rendezvous
     try:
         return args.func(args)
     except TokenmillError as exc:

@@ -64,5 +64,6 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    rendezvous: object | None = None  # parallel.executor.Rendezvous under torchrun; None: spawn local workers
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -64,3 +64,10 @@ class RequestBodyTooLargeError(TokenmillError):
 
     http_status = 413
     error_type = "invalid_request_error"
+
+
+class EngineDeadError(TokenmillError):
+    """The engine cannot go on (e.g. a tensor-parallel worker died); the server shuts down."""
+
+    http_status = 500
+    error_type = "engine_dead"

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.engine_core import EngineStats, LLMEngine
-from tokenmill.errors import ServerBusyError, TokenmillError
+from tokenmill.errors import EngineDeadError, ServerBusyError, TokenmillError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -78,6 +78,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()
         self.last_stats: EngineStats = engine.stats()
+        self.fatal_error: EngineDeadError | None = None  # set when the loop stopped for good
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -153,6 +154,8 @@ class AsyncLLMEngine:
 
         The prompt must already have passed `engine.validate_request`.
         """
+        if self.fatal_error is not None:
+            raise self.fatal_error
         if request_id in self._streams:
             raise TokenmillError(f"request id {request_id!r} is already in use")
         stream = _Stream()
@@ -226,6 +229,8 @@ class AsyncLLMEngine:
             with self._wakeup:
                 while not (self._commands or self._stopping or engine.has_unfinished_requests()):
                     self._wakeup.wait(timeout=1.0)  # a timeout keeps the main thread responsive to signals
+                    if not self._commands and not self._stopping and self._dead(engine):
+                        return
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
             outputs, errors = self._apply(commands)
@@ -239,9 +244,22 @@ class AsyncLLMEngine:
                     for request_id in engine.unfinished_request_ids():
                         outputs.append(engine.abort_request(request_id))
                         errors[request_id] = exc
+                    if isinstance(exc, EngineDeadError):
+                        self.fatal_error = exc
             if outputs or errors or commands:
                 result = _StepResult(time.time(), outputs, engine.stats(), errors)
                 self._loop.call_soon_threadsafe(self._deliver, result)
+            if self.fatal_error is not None:
+                return
+
+    def _dead(self, engine: LLMEngine) -> bool:
+        try:
+            engine.check_health()
+        except EngineDeadError as exc:
+            logger.error("engine is dead: %s", exc.message)
+            self.fatal_error = exc
+            return True
+        return False
 
     def _apply(self, commands: list[_AddCommand | str]) -> tuple[list[RequestOutput], dict[str, BaseException]]:
         """Run queued adds and aborts; returns the final outputs of aborted requests, and add errors."""

@@ -17,7 +17,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import InvalidParameterError
 from tokenmill.models.loader import load_model
-from tokenmill.parallel.executor import TensorParallelExecutor, WorkerSpec, free_port
+from tokenmill.parallel.executor import Rendezvous, TensorParallelExecutor, WorkerSpec, free_port
 from tokenmill.parallel.sharding import check_divisible, shard_config
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.platform import available_memory_bytes, resolve_device, resolve_dtype, set_cpu_threads
@@ -77,11 +77,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
         if tp > 1:
             spec = WorkerSpec(
-                rank=0, world_size=tp, port=free_port(), model=None if config.model is None else str(loaded.path),
-                dtype=str(self.dtype).removeprefix("torch."), device=config.device, max_model_len=self.max_model_len,
-                num_blocks=num_blocks, block_size=cache.block_size, num_threads=torch.get_num_threads(),
+                model=None if config.model is None else str(loaded.path), dtype=str(self.dtype).removeprefix("torch."),
+                device=config.device, max_model_len=self.max_model_len, num_blocks=num_blocks,
+                block_size=cache.block_size, num_threads=torch.get_num_threads(),
             )
-            self.runner = TensorParallelExecutor(loaded.model, spec, self.device, self.dtype)
+            rendezvous = config.rendezvous or Rendezvous("127.0.0.1", free_port(), tp)
+            self.runner = TensorParallelExecutor(loaded.model, spec, rendezvous, self.device, self.dtype)
         else:
             self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size, self.device, self.dtype)
         self._seed_rng = random.Random(config.seed)
@@ -273,6 +274,11 @@ class LLMEngine:
             num_cached_tokens=group.children[0].num_cached_tokens,
             deltas=deltas,
         )
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if part of the engine (a tensor-parallel worker) is gone."""
+        if hasattr(self.runner, "check_workers"):
+            self.runner.check_workers()
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (the engine is unusable afterwards)."""

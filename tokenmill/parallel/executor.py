@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import EngineDeadError
 from tokenmill.layers.sampler import SampledToken
 from tokenmill.models.loader import maybe_pack_weights
 from tokenmill.models.llama import DecoderForCausalLM
@@ -36,20 +36,27 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 LOGITS_ONLY = "logits"  # workers compute the logits rows (the LM head all-gathers) but never sample
 
 
-class WorkerDiedError(TokenmillError):
+class WorkerDiedError(EngineDeadError):
     """A tensor-parallel worker process is gone; the engine cannot continue."""
 
-    http_status = 500
-    error_type = "internal_error"
+
+SPEC_KEY = "tokenmill/worker_spec"
+
+
+@dataclass
+class Rendezvous:
+    """Where the ranks meet: rank 0 hosts a TCPStore at host:port."""
+
+    host: str
+    port: int
+    world_size: int
+    spawn_workers: bool = True  # False under torchrun, which starts the other ranks itself
 
 
 @dataclass
 class WorkerSpec:
-    """Everything a worker needs, passed as JSON on its command line."""
+    """What every rank must agree on; rank 0 publishes it in the store as JSON."""
 
-    rank: int
-    world_size: int
-    port: int
     model: str | None
     dtype: str
     device: str
@@ -97,17 +104,19 @@ def receive_step(group) -> SchedulerOutput | None:
 class TensorParallelExecutor:
     """Rank 0's side: owns the worker processes and its own shard; execute() like a ModelRunner."""
 
-    def __init__(self, full_model: DecoderForCausalLM, spec: WorkerSpec, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        world = spec.world_size
-        self.store = dist.TCPStore("127.0.0.1", spec.port, world, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-                                   wait_for_workers=False)
+    def __init__(self, full_model: DecoderForCausalLM, spec: WorkerSpec, rendezvous: Rendezvous,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        world = rendezvous.world_size
+        self.store = dist.TCPStore(rendezvous.host, rendezvous.port, world, is_master=True,
+                                   timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+        self.store.set(SPEC_KEY, json.dumps(asdict(spec)))
         self.workers: list[subprocess.Popen] = []
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        for rank in range(1, world):
-            worker_spec = json.dumps(asdict(WorkerSpec(**{**asdict(spec), "rank": rank})))
-            self.workers.append(subprocess.Popen(
-                [sys.executable, "-m", "tokenmill.parallel.worker", worker_spec], env=env))
+        if rendezvous.spawn_workers:
+            env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+            for rank in range(1, world):
+                self.workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "tokenmill.parallel.worker", rendezvous.host, str(rendezvous.port),
+                     str(rank), str(world)], env=env))
         try:
             self.group = make_group(self.store, 0, world, device)
         except Exception as exc:
@@ -150,6 +159,15 @@ class TensorParallelExecutor:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
+
+
+def torchrun_rendezvous() -> tuple[int, Rendezvous] | None:
+    """(rank, rendezvous) when this process was started by torchrun with more than one rank."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ:
+        return None
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    return int(os.environ["RANK"]), Rendezvous(host, port, world, spawn_workers=False)
 
 
 def free_port() -> int:

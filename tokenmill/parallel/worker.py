@@ -1,7 +1,9 @@
-"""A tensor-parallel worker: `python -m tokenmill.parallel.worker '<WorkerSpec JSON>'`.
+"""A tensor-parallel worker: `python -m tokenmill.parallel.worker HOST PORT RANK WORLD_SIZE`
+(spawned by rank 0), or any rank > 0 of a torchrun launch (see tokenmill.cli).
 
-Joins rank 0's process group, loads the model and keeps only its shard, then runs the forward
-pass of every step rank 0 broadcasts, until rank 0 says stop or goes away.
+Reads the WorkerSpec rank 0 published in the store, joins the process group, loads the model and
+keeps only its shard, then runs the forward pass of every step rank 0 broadcasts, until rank 0
+says stop or goes away.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.models.loader import load_model, maybe_pack_weights
-from tokenmill.parallel.executor import COLLECTIVE_TIMEOUT, WorkerSpec, make_group, receive_step
+from tokenmill.parallel.executor import COLLECTIVE_TIMEOUT, SPEC_KEY, WorkerSpec, make_group, receive_step
 from tokenmill.parallel.sharding import ShardInfo, shard_model
 from tokenmill.platform import resolve_device, resolve_dtype
 from tokenmill.worker.model_runner import ModelRunner
@@ -22,16 +24,17 @@ from tokenmill.worker.model_runner import ModelRunner
 logger = logging.getLogger("tokenmill.parallel.worker")
 
 
-def run(spec: WorkerSpec) -> None:
+def run(host: str, port: int, rank: int, world_size: int) -> None:
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    spec = WorkerSpec(**json.loads(store.get(SPEC_KEY)))
     torch.set_num_threads(spec.num_threads)
     device = resolve_device(spec.device)
     if device.type == "cuda":
-        device = torch.device("cuda", spec.rank)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
     dtype = resolve_dtype(spec.dtype, device)
-    store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, False, COLLECTIVE_TIMEOUT)
-    group = make_group(store, spec.rank, spec.world_size, device)
+    group = make_group(store, rank, world_size, device)
     loaded = load_model(spec.model, dtype, device, spec.max_model_len, pack_weights=False, with_tokenizer=False)
-    shard = shard_model(loaded.model, ShardInfo(spec.rank, spec.world_size, group))
+    shard = shard_model(loaded.model, ShardInfo(rank, world_size, group))
     del loaded
     maybe_pack_weights(shard, dtype, device)
     runner = ModelRunner(shard, spec.num_blocks, spec.block_size, device, dtype)
@@ -39,13 +42,13 @@ def run(spec: WorkerSpec) -> None:
         runner.forward(step)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = WorkerSpec(**json.loads(sys.argv[1]))
+    host, port, rank, world_size = (argv or sys.argv[1:])[:4]
     try:
-        run(spec)
+        run(host, int(port), int(rank), int(world_size))
     except RuntimeError as exc:  # rank 0 went away mid-collective: nothing left to serve
-        logger.warning("worker %d stopping: %s", spec.rank, exc)
+        logger.warning("worker %s stopping: %s", rank, exc)
         return 1
     return 0
 

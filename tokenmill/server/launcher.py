@@ -46,6 +46,8 @@ class ServeOptions:
     peak_tflops: float | None = None
     peak_bandwidth_gbs: float | None = None
     metrics_window: float = 60.0
+    tensor_parallel_size: int = 1
+    rendezvous: object | None = None  # set under torchrun (tokenmill.cli)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
 
@@ -128,6 +130,8 @@ def serve(options: ServeOptions) -> int:
         dtype=options.dtype,
         device=options.device,
         seed=options.seed,
+        tensor_parallel_size=options.tensor_parallel_size,
+        rendezvous=options.rendezvous,
         cache=CacheConfig(kv_cache_memory=options.kv_cache_memory),
         scheduler=SchedulerConfig(
             max_num_seqs=options.max_num_seqs,
@@ -154,8 +158,16 @@ def serve(options: ServeOptions) -> int:
     while not async_engine.wait_attached(timeout=0.2):
         if not http_thread.is_alive():  # uvicorn could not start (port in use, ...)
             return 1
-    async_engine.run_engine_loop()
-    http_thread.join()
+    try:
+        async_engine.run_engine_loop()
+        if async_engine.fatal_error is not None:
+            logger.error("shutting down: %s", async_engine.fatal_error.message)
+            server.should_exit = True
+        http_thread.join()
+    finally:
+        engine.shutdown()
+    if async_engine.fatal_error is not None:
+        return 1
     return 0 if server.started else 1
 
 
