@@ -16,9 +16,10 @@ from tokenmill.engine.metrics import StepStats
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import InvalidParameterError
-from tokenmill.models.loader import load_model
+from tokenmill.models.loader import load_model, resolve_model_path
 from tokenmill.parallel.executor import Rendezvous, TensorParallelExecutor, WorkerSpec, free_port
 from tokenmill.parallel.sharding import check_divisible, shard_config
+from tokenmill.plan.model_math import load_model_config
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.platform import available_memory_bytes, resolve_device, resolve_dtype, set_cpu_threads
 from tokenmill.sampling_params import SamplingParams
@@ -63,26 +64,33 @@ class LLMEngine:
         if self.device.type == "cpu":
             set_cpu_threads()
             torch.set_num_threads(max(1, torch.get_num_threads() // tp))  # the cores are shared by the ranks
-        loaded = load_model(config.model, self.dtype, self.device, config.scheduler.max_model_len,
-                            pack_weights=tp == 1)
+        executor = None
+        if tp > 1:  # workers start loading their shards while this process loads its own
+            check_divisible(load_model_config(resolve_model_path(config.model)), tp)  # before any process starts
+            spec = WorkerSpec(
+                model=config.model, dtype=str(self.dtype).removeprefix("torch."), device=config.device,
+                max_model_len=config.scheduler.max_model_len, block_size=config.cache.block_size,
+                num_threads=torch.get_num_threads(),
+            )
+            executor = TensorParallelExecutor(spec, config.rendezvous or Rendezvous("127.0.0.1", free_port(), tp))
+        try:
+            loaded = load_model(config.model, self.dtype, self.device, config.scheduler.max_model_len,
+                                shard=None if executor is None else executor.comm)
+        except Exception:
+            if executor is not None:
+                executor.shutdown()
+            raise
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.model_path = loaded.path
-        if tp > 1:
-            check_divisible(self.model_config, tp)
         cache = config.cache
         num_blocks = cache.num_blocks or self._num_blocks_from_budget()
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
-        if tp > 1:
-            spec = WorkerSpec(
-                model=None if config.model is None else str(loaded.path), dtype=str(self.dtype).removeprefix("torch."),
-                device=config.device, max_model_len=self.max_model_len, num_blocks=num_blocks,
-                block_size=cache.block_size, num_threads=torch.get_num_threads(),
-            )
-            rendezvous = config.rendezvous or Rendezvous("127.0.0.1", free_port(), tp)
-            self.runner = TensorParallelExecutor(loaded.model, spec, rendezvous, self.device, self.dtype)
+        if executor is not None:
+            executor.start(loaded.model, num_blocks, self.device, self.dtype)
+            self.runner = executor
         else:
             self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size, self.device, self.dtype)
         self._seed_rng = random.Random(config.seed)

@@ -17,6 +17,7 @@ from tokenmill.models.gguf_loader import GGUFFile
 from tokenmill.models.hf_config import load_hf_config
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.models.safetensors_loader import iter_safetensors
+from tokenmill.parallel.sharding import Communicator, shard_config, shard_weights, wrap_parallel
 from tokenmill.platform import available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -74,11 +75,11 @@ def load_tokenizer(path: Path):
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               pack_weights: bool = True, with_tokenizer: bool = True) -> LoadedModel:
+               shard: Communicator | None = None, with_tokenizer: bool = True) -> LoadedModel:
     """Load config, weights and tokenizer. Every failure is a ModelLoadError.
 
-    pack_weights=False leaves plain nn.Linear weights (to be sharded first); with_tokenizer=False
-    skips the tokenizer (tensor-parallel workers never detokenize).
+    With `shard`, only this tensor-parallel rank's slices are kept (LoadedModel.config is still the
+    whole model's); with_tokenizer=False skips the tokenizer (workers never detokenize).
     """
     path = resolve_model_path(model)
     if path.is_file():
@@ -100,11 +101,15 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
             raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's context length {context}")
         context = max_model_len
 
-    net = build_model(config, context, dtype, device)
-    net.load_weights(weights)
+    if shard is None:
+        net = build_model(config, context, dtype, device)
+        net.load_weights(weights)
+    else:
+        net = build_model(shard_config(config, shard.world_size), context, dtype, device)
+        net.load_weights(shard_weights(weights, config, shard))
+        wrap_parallel(net, config.vocab_size, shard)
     net.eval()
-    if pack_weights:
-        maybe_pack_weights(net, dtype, device)
+    maybe_pack_weights(net, dtype, device)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is not None and eos not in config.eos_token_ids:

@@ -25,9 +25,8 @@ import torch.distributed as dist
 from tokenmill.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from tokenmill.errors import EngineDeadError
 from tokenmill.layers.sampler import SampledToken
-from tokenmill.models.loader import maybe_pack_weights
 from tokenmill.models.llama import DecoderForCausalLM
-from tokenmill.parallel.sharding import ShardInfo, shard_model
+from tokenmill.parallel.sharding import Communicator
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -40,7 +39,8 @@ class WorkerDiedError(EngineDeadError):
     """A tensor-parallel worker process is gone; the engine cannot continue."""
 
 
-SPEC_KEY = "tokenmill/worker_spec"
+SPEC_KEY = "tokenmill/worker_spec"  # published before loading: every rank loads at once
+NUM_BLOCKS_KEY = "tokenmill/num_kv_blocks"  # published once rank 0 has sized the KV pool
 
 
 @dataclass
@@ -61,7 +61,6 @@ class WorkerSpec:
     dtype: str
     device: str
     max_model_len: int | None
-    num_blocks: int
     block_size: int
     num_threads: int
 
@@ -102,38 +101,46 @@ def receive_step(group) -> SchedulerOutput | None:
 
 
 class TensorParallelExecutor:
-    """Rank 0's side: owns the worker processes and its own shard; execute() like a ModelRunner."""
+    """Rank 0's side: owns the worker processes and its own shard; execute() like a ModelRunner.
 
-    def __init__(self, full_model: DecoderForCausalLM, spec: WorkerSpec, rendezvous: Rendezvous,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    Two phases: the constructor opens the store, publishes the spec and starts the workers (they
+    load their shards while rank 0 loads its own through `self.comm`); start() then publishes the
+    KV pool size, connects the process group and builds rank 0's runner.
+    """
+
+    def __init__(self, spec: WorkerSpec, rendezvous: Rendezvous) -> None:
         world = rendezvous.world_size
+        self.world_size = world
+        self.spec = spec
+        self.rendezvous = rendezvous
+        self.comm = Communicator(0, world)
+        self.workers: list[subprocess.Popen] = []
+        self._stopped = False
         self.store = dist.TCPStore(rendezvous.host, rendezvous.port, world, is_master=True,
                                    timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         self.store.set(SPEC_KEY, json.dumps(asdict(spec)))
-        self.workers: list[subprocess.Popen] = []
         if rendezvous.spawn_workers:
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
             for rank in range(1, world):
                 self.workers.append(subprocess.Popen(
                     [sys.executable, "-m", "tokenmill.parallel.worker", rendezvous.host, str(rendezvous.port),
                      str(rank), str(world)], env=env))
+        atexit.register(self.shutdown)  # never leave workers behind, even without LLM.close()
+
+    def start(self, model: DecoderForCausalLM, num_blocks: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.store.set(NUM_BLOCKS_KEY, str(num_blocks))
         try:
-            self.group = make_group(self.store, 0, world, device)
+            self.comm.group = make_group(self.store, 0, self.world_size, device)
         except Exception as exc:
             self.shutdown()
             raise WorkerDiedError(f"tensor-parallel workers did not join: {exc}") from exc
-        shard = shard_model(full_model, ShardInfo(0, world, self.group))
-        maybe_pack_weights(shard, dtype, device)
-        self.model = shard
-        self.runner = ModelRunner(shard, spec.num_blocks, spec.block_size, device, dtype)
-        self.world_size = world
-        self._stopped = False
-        atexit.register(self.shutdown)  # never leave workers behind, even without LLM.close()
+        self.model = model
+        self.runner = ModelRunner(model, num_blocks, self.spec.block_size, device, dtype)
 
     def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
         self.check_workers()
         try:
-            broadcast_step(self.group, scheduler_output)
+            broadcast_step(self.comm.group, scheduler_output)
             return self.runner.execute(scheduler_output)
         except RuntimeError as exc:  # a collective failed: most likely a worker is gone
             self.check_workers()
@@ -147,12 +154,16 @@ class TensorParallelExecutor:
 
     def shutdown(self) -> None:
         """Stop the workers (politely, then firmly); safe to call twice."""
-        if getattr(self, "_stopped", True) is False and all(w.poll() is None for w in self.workers):
+        connected = self.comm.group is not None
+        if not self._stopped and connected and all(w.poll() is None for w in self.workers):
             try:
-                broadcast_step(self.group, None)
+                broadcast_step(self.comm.group, None)
             except RuntimeError:
                 pass
         self._stopped = True
+        if not connected:  # still loading: nothing to say goodbye on
+            for worker in self.workers:
+                worker.kill()
         for worker in self.workers:
             try:
                 worker.wait(timeout=30)

@@ -15,9 +15,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tokenmill.models.loader import load_model, maybe_pack_weights
-from tokenmill.parallel.executor import COLLECTIVE_TIMEOUT, SPEC_KEY, WorkerSpec, make_group, receive_step
-from tokenmill.parallel.sharding import ShardInfo, shard_model
+from tokenmill.errors import TokenmillError
+from tokenmill.models.loader import load_model
+from tokenmill.parallel.executor import (
+    COLLECTIVE_TIMEOUT, NUM_BLOCKS_KEY, SPEC_KEY, WorkerSpec, make_group, receive_step,
+)
+from tokenmill.parallel.sharding import Communicator
 from tokenmill.platform import resolve_device, resolve_dtype
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -32,13 +35,12 @@ def run(host: str, port: int, rank: int, world_size: int) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
     dtype = resolve_dtype(spec.dtype, device)
-    group = make_group(store, rank, world_size, device)
-    loaded = load_model(spec.model, dtype, device, spec.max_model_len, pack_weights=False, with_tokenizer=False)
-    shard = shard_model(loaded.model, ShardInfo(rank, world_size, group))
-    del loaded
-    maybe_pack_weights(shard, dtype, device)
-    runner = ModelRunner(shard, spec.num_blocks, spec.block_size, device, dtype)
-    while (step := receive_step(group)) is not None:
+    comm = Communicator(rank, world_size)
+    loaded = load_model(spec.model, dtype, device, spec.max_model_len, shard=comm, with_tokenizer=False)
+    num_blocks = int(store.get(NUM_BLOCKS_KEY))  # rank 0 sizes the KV pool once its shard is loaded
+    comm.group = make_group(store, rank, world_size, device)
+    runner = ModelRunner(loaded.model, num_blocks, spec.block_size, device, dtype)
+    while (step := receive_step(comm.group)) is not None:
         runner.forward(step)
 
 
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     host, port, rank, world_size = (argv or sys.argv[1:])[:4]
     try:
         run(host, int(port), int(rank), int(world_size))
+    except TokenmillError as exc:
+        logger.error("worker %s: %s", rank, exc.message)
+        return 2
     except RuntimeError as exc:  # rank 0 went away mid-collective: nothing left to serve
         logger.warning("worker %s stopping: %s", rank, exc)
         return 1
