@@ -130,3 +130,19 @@ def test_server_tp3_on_the_default_model(default_llm, tmp_path):
         assert server.stop() == 0
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_torchrun_launch_is_the_same_code_path(tiny_llama_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from server_harness import free_port
+
+    args = ["generate", "The mill turns", "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-tokens", "8"]
+    single = subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], capture_output=True, text=True,
+                            timeout=120)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    launched = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
+                               "-m", "tokenmill.cli", *args], capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
+    assert launched.stdout.strip() == single.stdout.strip() != ""
