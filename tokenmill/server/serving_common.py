@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -34,10 +35,12 @@ class ServerContext:
     metrics: ServingMetrics
     log_prompts: bool = False
     draining: bool = False
+    # The event loop's own copy: HF fast tokenizers are not safe to share with the engine thread,
+    # which detokenizes with its own (a call that changes truncation settings borrows it mutably).
+    tokenizer: object = field(init=False)
 
-    @property
-    def tokenizer(self):
-        return self.engine.engine.tokenizer
+    def __post_init__(self) -> None:
+        self.tokenizer = copy.deepcopy(self.engine.engine.tokenizer)
 
     @property
     def max_model_len(self) -> int:
@@ -64,7 +67,7 @@ class ServerContext:
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            return self.engine.engine.tokenize(prompt, add_special_tokens)
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         return list(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
