@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import build_prompts  # noqa: E402
 
-from tokenmill.bench.sse_client import StreamRecord, stream_request  # noqa: E402
+from tokenmill.bench.serve import BenchRequest, run_load, served_model_name, summarize  # noqa: E402
 
 
 def salted(prompts: list[list[int]], salt: int) -> list[list[int]]:
@@ -32,34 +31,18 @@ def salted(prompts: list[list[int]], salt: int) -> list[list[int]]:
     return [[salt] + p[1:] for p in prompts]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
 async def run_phase(base_url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(prompt: list[int]) -> StreamRecord:
-        async with gate:
-            body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
-            return await stream_request(base_url, "/v1/completions", body)
-
-    start = time.perf_counter()
-    records = await asyncio.gather(*(one(p) for p in prompts))
-    elapsed = time.perf_counter() - start
-    failed = [r.error for r in records if r.error]
-    if failed:
-        raise SystemExit(f"{len(failed)} requests failed, first: {failed[0]}")
-    ttfts = [r.ttft for r in records]
-    itls = [gap for r in records for gap in r.itls]
-    num_out = sum(r.output_tokens for r in records)
+    requests = [BenchRequest(prompt, output_len) for prompt in prompts]
+    model = served_model_name(base_url, None, None)
+    records, elapsed = await run_load(base_url, model, requests, float("inf"), concurrency, None, seed=0)
+    report = summarize(records, elapsed, None, None, None)
+    if report["failed"]:
+        raise SystemExit(f"{report['failed']} requests failed, first: {report['errors'][0]}")
     return {
-        "concurrency": concurrency, "elapsed_s": elapsed, "output_tokens": num_out,
-        "output_tps": num_out / elapsed, "ttft_median_s": statistics.median(ttfts),
-        "ttft_p99_s": percentile(ttfts, 99), "itl_median_s": statistics.median(itls),
-        "itl_p99_s": percentile(itls, 99),
+        "concurrency": concurrency, "elapsed_s": elapsed, "output_tokens": report["output_tokens"],
+        "output_tps": report["output_throughput"], "ttft_median_s": report["ttft_ms"]["median"] / 1000,
+        "ttft_p99_s": report["ttft_ms"]["p99"] / 1000, "itl_median_s": report["itl_ms"]["median"] / 1000,
+        "itl_p99_s": report["itl_ms"]["p99"] / 1000,
     }
 
 

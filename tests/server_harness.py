@@ -16,6 +16,16 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool:
+    """Poll predicate() until it holds or timeout seconds pass; returns its last value."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -84,12 +94,7 @@ class ServerProcess:
         return total
 
     def wait_for(self, predicate, timeout: float = 30.0) -> bool:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if predicate():
-                return True
-            time.sleep(0.05)
-        return predicate()
+        return wait_until(predicate, timeout)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
         if self.process.poll() is None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
+from server_harness import wait_until
 
 from tokenmill import SamplingParams
 from tokenmill.engine.async_engine import AsyncLLMEngine
@@ -33,15 +33,6 @@ async def _stream_text(async_engine, request_id, prompt_ids, params):
         pieces.append(output.deltas.get(0, ""))
         final = output
     return "".join(pieces), final
-
-
-def _wait_until(predicate, timeout=5.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_concurrent_streams_match_offline_generate(tiny_llm):
@@ -75,7 +66,7 @@ def test_leaving_a_stream_aborts_and_frees_blocks(tiny_llm):
                 break
         await stream.aclose()
         await asyncio.sleep(0)
-        return await asyncio.to_thread(_wait_until, lambda: not engine.has_unfinished_requests())
+        return await asyncio.to_thread(wait_until, lambda: not engine.has_unfinished_requests())
 
     assert run(_with_engine(engine, body))
     assert engine.kv_cache.stats().num_used_blocks == 0
@@ -141,5 +132,5 @@ def test_drain_waits_then_aborts_the_rest(tiny_llm):
         return aborted
 
     assert run(_with_engine(engine, body)) == 1
-    assert _wait_until(lambda: not engine.has_unfinished_requests())
+    assert wait_until(lambda: not engine.has_unfinished_requests())
     assert engine.kv_cache.stats().num_used_blocks == 0

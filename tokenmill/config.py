@@ -34,6 +34,10 @@ class ModelConfig:
     def num_query_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def kv_bytes_per_token(self, element_size: float) -> float:
+        """KV cache bytes of one token across all layers, keys and values."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
+
 
 @dataclass
 class CacheConfig:

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot:
         _require_matplotlib()
-    model = _server_model(args.base_url, args.model, args.api_key)
+    model = served_model_name(args.base_url, args.model, args.api_key)
     if args.dataset == "random":
         requests = random_requests(args.num_prompts, args.input_len, args.output_len, RANDOM_TOKEN_ID_LIMIT,
                                    args.seed)
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["completed"] else 1
 
 
-def _server_model(base_url: str, model: str | None, api_key: str | None) -> str:
+def served_model_name(base_url: str, model: str | None, api_key: str | None) -> str:
     """The model to ask for: the one given, else the server's first."""
     request = urllib.request.Request(base_url.rstrip("/") + "/v1/models")
     if api_key:

@@ -77,7 +77,6 @@ class AsyncLLMEngine:
         self._attached = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()
-        self.last_stats: EngineStats = engine.stats()
         self.fatal_error: EngineDeadError | None = None  # set when the loop stopped for good
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -127,10 +126,6 @@ class AsyncLLMEngine:
             return len(remaining)
 
     # ---- requests ------------------------------------------------------------------------------
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     @property
     def num_waiting(self) -> int:
         """Requests accepted that have produced no output yet (queued or prefilling)."""
@@ -200,7 +195,6 @@ class AsyncLLMEngine:
             stream.ready.set()
 
     def _deliver(self, result: _StepResult) -> None:
-        self.last_stats = result.stats
         for request_id, error in result.errors.items():
             self._fail(request_id, error)
         for output in result.outputs:

@@ -128,15 +128,13 @@ class KVCacheManager:
         self.req_num_cached_blocks.pop(rid, None)
 
     def stats(self) -> KVCacheStats:
-        fill: dict[int, int] = {}
-        for rid, blocks in self.req_blocks.items():
-            num_tokens = self.req_num_tokens.get(rid, 0)
-            for i, block in enumerate(blocks):
-                stored = max(0, min(self.block_size, num_tokens - i * self.block_size))
-                fill[block.block_id] = max(fill.get(block.block_id, 0), stored)
+        """O(requests): the server reads these after every step."""
         used = self.pool.num_blocks - self.pool.num_free_blocks
         slots = used * self.block_size
-        stored = sum(fill.values())
+        # A request holds exactly the blocks its tokens need, so only its last block can be partial,
+        # and only full blocks are ever shared: each extra owner of a block counts one full block twice.
+        num_owned = sum(len(blocks) for blocks in self.req_blocks.values())
+        stored = sum(self.req_num_tokens.values()) - (num_owned - used) * self.block_size
         return KVCacheStats(
             num_blocks=self.pool.num_blocks,
             num_used_blocks=used,

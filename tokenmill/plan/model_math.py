@@ -84,14 +84,17 @@ class ModelMath:
         return linear * QUANT_BYTES[weight_quant] + (self.num_params - linear) * element
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16") -> float:
+        return self.config.kv_bytes_per_token(_dtype_bytes(dtype))
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one query attending to one position: QK^T and PV over every head and layer."""
         c = self.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * _dtype_bytes(dtype)
+        return 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
 
     def flops_per_token(self, context_len: int = 0) -> float:
         """Forward FLOPs of one token attending to context_len earlier tokens."""
-        c = self.config
-        attention = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * context_len
-        return 2 * self.num_matmul_params + attention
+        return 2 * self.num_matmul_params + self.attention_flops_per_pair * context_len
 
 
 def _dtype_bytes(dtype: str) -> float:

@@ -111,11 +111,9 @@ def _cost_model(engine: LLMEngine, options: ServeOptions) -> CostModel:
             peak_gbs = peak_gbs if peak_gbs is not None else device.bandwidth_gbs
     model = ModelMath(engine.model_config)
     dtype = str(engine.dtype).removeprefix("torch.")
-    c = engine.model_config
     return CostModel(
         matmul_params=model.num_matmul_params, weight_bytes=model.weight_bytes(dtype),
-        kv_bytes_per_token=model.kv_bytes_per_token(dtype),
-        attention_flops_per_pair=4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim,
+        kv_bytes_per_token=model.kv_bytes_per_token(dtype), attention_flops_per_pair=model.attention_flops_per_pair,
         peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
         peak_bandwidth=None if peak_gbs is None else peak_gbs * 1e9,
         cost_per_hour=options.cost_per_hour, max_num_batched_tokens=options.max_num_batched_tokens,

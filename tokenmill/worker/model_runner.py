@@ -19,8 +19,7 @@ from tokenmill.models.llama import DecoderForCausalLM
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, keys and values."""
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+    return int(config.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())) * block_size
 
 
 class ModelRunner:
