@@ -34,6 +34,8 @@ class AttentionBucket:
     valid: torch.Tensor  # [B, Q] bool, real query tokens
     gather_index: torch.Tensor  # [kv_heads * B * max_blocks] rows of the cache viewed as [kv_heads * num_blocks, -1]
     context_len: int  # max_blocks * block_size
+    block_table: torch.Tensor  # [B, max_blocks] int64, each sequence's blocks (padded with its first)
+    seq_lens: torch.Tensor  # [B] int64, cached + new tokens of each sequence
     # decode only: for embedding_bag over the value cache viewed as [kv_heads * num_slots, head_dim],
     # the row of every (kv head, sequence, query group, context position), and each bag's start
     value_index: torch.Tensor | None
@@ -148,6 +150,8 @@ def _build_bucket(
         valid=valid.to(device),
         gather_index=gather_index.to(device),
         context_len=context_len,
+        block_table=table[members, :bucket_blocks].contiguous().to(device),
+        seq_lens=b_seq_lens.to(device),
         attn_mask=mask.to(device),
     )
 
@@ -198,7 +202,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         head_dim = k_cache.shape[-1]
         num_heads = q.shape[1]
-        k_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, k.transpose(0, 1).reshape(-1, head_dim))
+        self._write_keys(k_cache, metadata.write_index, k.transpose(0, 1).reshape(-1, head_dim))
         v_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, v.transpose(0, 1).reshape(-1, head_dim))
         buckets = metadata.buckets
         if buckets[0].covers_batch:  # a pure decode step (the only bucket): no scatter into `out`
@@ -210,6 +214,16 @@ class TorchPagedAttention:
             else:
                 out[bucket.token_index] = self._prefill(q, k_cache, v_cache, bucket, scale)
         return out
+
+    def _write_keys(self, k_cache: torch.Tensor, write_index: torch.Tensor, keys: torch.Tensor) -> None:
+        """keys [N, head_dim] into the cache rows write_index (of the cache viewed as [-1, head_dim])."""
+        k_cache.view(-1, keys.shape[1]).index_copy_(0, write_index, keys)
+
+    def _gather_keys(self, k_cache: torch.Tensor, bucket: AttentionBucket) -> torch.Tensor:
+        """The bucket's keys as [kv_heads, B, context, head_dim] (a workspace view)."""
+        num_kv_heads, num_blocks, _, head_dim = k_cache.shape
+        keys = self._gather(k_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index)
+        return keys.view(num_kv_heads, -1, bucket.context_len, head_dim)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: AttentionBucket,
                 scale: float) -> torch.Tensor:
@@ -236,7 +250,7 @@ class TorchPagedAttention:
         groups = num_heads // num_kv_heads
         # keys/values: [kv_heads, B, L, head_dim], contiguous
         shape = (num_kv_heads, batch, bucket.context_len, head_dim)
-        keys = self._gather(k_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index).view(shape)
+        keys = self._gather_keys(k_cache, bucket)
         values = self._gather(v_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index, slot=1).view(shape)
         # queries: [kv_heads, B, Q * groups, head_dim]; SDPA sees kv_heads as batch, B as heads
         queries = q[bucket.query_index].view(batch, max_q, num_kv_heads, groups, head_dim)

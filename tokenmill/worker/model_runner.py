@@ -10,9 +10,9 @@ from tokenmill.layers.attention import (
     AttentionBackend,
     AttentionContext,
     CacheGeometry,
-    TorchPagedAttention,
     build_attention_metadata,
 )
+from tokenmill.layers.cpu_attention import default_attention_backend
 from tokenmill.layers.sampler import SampledToken, sample
 from tokenmill.models.llama import DecoderForCausalLM
 
@@ -45,7 +45,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.backend = backend or TorchPagedAttention()
+        self.backend = backend or default_attention_backend(device, dtype, config.head_dim, config.num_query_groups)
         # [layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim]; zeroed so that unwritten
         # slots gathered with a block are finite (masked, but NaN * 0 would still poison softmax).
         shape = (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)

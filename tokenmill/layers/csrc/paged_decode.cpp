@@ -1,0 +1,332 @@
+// Paged decode attention for x86 CPUs with AVX-512: one query token per sequence, keys and
+// values read in place through the block table (no gathered copy of the context).
+//
+//   paged_decode_qk: scores[b, head, t] = scale * q[b, head] . K[b, t]   (-inf past the sequence)
+//   paged_decode_pv: out[b, head] = sum_t probs[b, head, t] * V[b, t]
+//
+// The softmax between the two stays in PyTorch. Work is split over (sequence, kv head): each
+// cache block is read once for all query heads of its group (GQA). With AVX512-BF16, bf16 caches
+// use the bf16 pair dot-product instruction (fp32 accumulation); other dtypes convert to fp32.
+//
+// Layouts, per layer (head_dim a multiple of 16):
+//   values: [num_kv_heads, num_blocks, block_size, head_dim]        (rows, as PyTorch's path)
+//   keys:   [num_kv_heads, num_blocks, head_dim / 2, block_size, 2] (pairs of dimensions, by column)
+// Keys are stored by column so that one vector load holds dimension pair d of 16 consecutive
+// tokens: q . K for 16 tokens is then head_dim / 2 multiply-adds into one vector of 16 scores,
+// with no horizontal sums.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t kMaxGroups = 8;    // query heads per kv head
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kAhead = 2;        // blocks prefetched ahead (into L2): the cache is read from DRAM
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void prefetch_rows(const void* rows, int64_t bytes) {
+  const char* p = static_cast<const char*>(rows);
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T1);
+}
+
+struct Geometry {
+  int64_t batch, num_heads, head_dim, num_kv_heads, num_blocks, block_size, groups, max_blocks, context;
+};
+
+Geometry geometry_of(const at::Tensor& cache, const at::Tensor& block_tables, int64_t batch, int64_t num_heads,
+                     int64_t context) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "cache must be contiguous [kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables must be contiguous int64");
+  Geometry g{batch, num_heads, cache.size(3), cache.size(0), cache.size(1), cache.size(2), num_heads / cache.size(0),
+             block_tables.size(1), context};
+  TORCH_CHECK(num_heads % g.num_kv_heads == 0 && g.groups <= kMaxGroups, "unsupported number of query heads per kv head");
+  TORCH_CHECK(g.head_dim % 16 == 0 && g.head_dim <= kMaxHeadDim, "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(block_tables.size(0) == batch, "one block table row per sequence");
+  return g;
+}
+
+constexpr int64_t kRows = 16;  // tokens handled together (one vector of scores)
+
+// A block's rows (up to 16; missing rows repeat the last) converted to fp32, [16][head_dim].
+template <typename T>
+void rows_to_float(const T* rows, int64_t n, int64_t head_dim, float* dst) {
+  for (int64_t r = 0; r < kRows; ++r) {
+    const T* row = rows + std::min(r, n - 1) * head_dim;
+    for (int64_t c = 0; c < head_dim; c += 16) _mm512_store_ps(dst + r * head_dim + c, load16(row + c));
+  }
+}
+
+// 16 values from p (lanes past `valid` read as 0), as fp32
+inline __m512 load16(const float* p, __mmask16 valid) { return _mm512_maskz_loadu_ps(valid, p); }
+inline __m512 load16(const c10::Half* p, __mmask16 valid) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
+}
+inline __m512 load16(const c10::BFloat16* p, __mmask16 valid) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p)), 16));
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// Scores of n <= 16 consecutive tokens of one key block for every query head of the group.
+// `column` points at dimension pair 0 of the first token: pair d of token r is at column + (d * block_size + r) * 2.
+template <typename T>
+__attribute__((always_inline)) inline void scores16(const T* column, int64_t n, int64_t block_size, const T* q,
+                                                    int64_t groups, int64_t head_dim, __m512* acc /* [groups] */) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+#pragma GCC unroll 8
+  for (int64_t h = 0; h < kMaxGroups; ++h)
+    if (h < groups) acc[h] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q);  // (q[2d], q[2d+1]) per 32-bit word
+    for (int64_t d = 0; d < head_dim / 2; ++d) {
+      const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi32(valid, column + d * block_size * 2);
+#pragma GCC unroll 8
+      for (int64_t h = 0; h < kMaxGroups; ++h)
+        if (h < groups)
+          acc[h] = _mm512_dpbf16_ps(acc[h], k, (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[h * head_dim / 2 + d])));
+    }
+    return;
+  }
+#endif
+  // fp32 path: split each token's pair into even and odd dimensions
+  const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd_index = _mm512_add_epi32(even_index, _mm512_set1_epi32(1));
+  const __mmask16 first = static_cast<__mmask16>((1u << std::min<int64_t>(2 * n, 16)) - 1);
+  const __mmask16 second = static_cast<__mmask16>((1u << std::max<int64_t>(2 * n - 16, 0)) - 1);
+  for (int64_t d = 0; d < head_dim / 2; ++d) {
+    const T* p = column + d * block_size * 2;
+    const __m512 lo = load16(p, first), hi = load16(p + 16, second);
+    const __m512 even = _mm512_permutex2var_ps(lo, even_index, hi), odd = _mm512_permutex2var_ps(lo, odd_index, hi);
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < kMaxGroups; ++h) {
+      if (h < groups) {
+        acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(q[h * head_dim + 2 * d])), even, acc[h]);
+        acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(static_cast<float>(q[h * head_dim + 2 * d + 1])), odd, acc[h]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void qk_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_tables,
+               const at::Tensor& seq_lens, float scale, at::Tensor& scores) {
+  const Geometry g = geometry_of(k_cache, block_tables, q.size(0), q.size(1), scores.size(2));
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  float* out = scores.data_ptr<float>();
+  const int64_t block_elems = g.block_size * g.head_dim;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  at::parallel_for(0, g.batch * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / g.num_kv_heads, kv = item % g.num_kv_heads;
+      const int64_t head0 = b * g.num_heads + kv * g.groups;
+      float* out0 = out + head0 * g.context;
+      const int64_t len = std::min(lens[b], g.context);
+      const T* cache = k_ptr + kv * g.num_blocks * block_elems;
+      for (int64_t start = 0, j = 0; start < len; start += g.block_size, ++j) {
+        const T* block = cache + table[b * g.max_blocks + j] * block_elems;
+        if (start + kAhead * g.block_size < len)
+          prefetch_rows(cache + table[b * g.max_blocks + j + kAhead] * block_elems, block_elems * sizeof(T));
+        for (int64_t r0 = 0; r0 < std::min(g.block_size, len - start); r0 += kRows) {
+          const int64_t n = std::min({kRows, g.block_size - r0, len - start - r0});
+          __m512 acc[kMaxGroups];
+          scores16(block + r0 * 2, n, g.block_size, q_ptr + head0 * g.head_dim, g.groups, g.head_dim, acc);
+          const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+#pragma GCC unroll 8
+          for (int64_t h = 0; h < kMaxGroups; ++h)
+            if (h < g.groups)
+              _mm512_mask_storeu_ps(out0 + h * g.context + start + r0, keep, _mm512_mul_ps(acc[h], scale_v));
+        }
+      }
+      for (int64_t h = 0; h < g.groups; ++h)
+        std::fill(out0 + h * g.context + len, out0 + (h + 1) * g.context, -std::numeric_limits<float>::infinity());
+    }
+  });
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d]);
+}
+
+#if defined(__AVX512BF16__)
+// probs[r] * V[r] for up to 16 bf16 rows, added into acc with the bf16 pair dot product: rows
+// 2i and 2i+1 are interleaved (unpacklo/hi_epi16) so that each 32-bit lane holds one dimension
+// of both rows, and multiplied by the probability pair (p[2i], p[2i+1]). The interleave permutes
+// dimensions: within chunk c (32 values), 128-bit lane L, element e, `acc[..][0]` holds dimension
+// c + 8L + e and `acc[..][1]` dimension c + 8L + 4 + e (see unpermute_pairs).
+inline void pv_rows_bf16(const c10::BFloat16* rows, int64_t n, const float* probs, int64_t probs_stride,
+                         int64_t groups, int64_t head_dim, __m512* acc /* [groups][chunks][2] */) {
+  alignas(32) uint32_t pairs[kMaxGroups][kRows / 2];  // bf16 (p[2i], p[2i+1]) per 32-bit word
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t h = 0; h < groups; ++h)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]),
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, probs + h * probs_stride)));
+  const int64_t chunks = (head_dim + 31) / 32;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const __mmask32 lanes = head_dim - c * 32 >= 32 ? ~__mmask32(0) : __mmask32(0xFFFF);
+    __m512 lo[kMaxGroups], hi[kMaxGroups];
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < kMaxGroups; ++h)
+      if (h < groups) lo[h] = acc[(h * chunks + c) * 2], hi[h] = acc[(h * chunks + c) * 2 + 1];
+    for (int64_t i = 0; 2 * i < n; ++i) {
+      const __m512i a = _mm512_maskz_loadu_epi16(lanes, rows + 2 * i * head_dim + c * 32);
+      const __m512i b = _mm512_maskz_loadu_epi16(lanes, rows + std::min(2 * i + 1, n - 1) * head_dim + c * 32);
+      const __m512bh ab_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), ab_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 8
+      for (int64_t h = 0; h < kMaxGroups; ++h) {
+        if (h < groups) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[h][i]));
+          lo[h] = _mm512_dpbf16_ps(lo[h], ab_lo, w);
+          hi[h] = _mm512_dpbf16_ps(hi[h], ab_hi, w);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < kMaxGroups; ++h)
+      if (h < groups) acc[(h * chunks + c) * 2] = lo[h], acc[(h * chunks + c) * 2 + 1] = hi[h];
+  }
+}
+
+// acc of one query head ([chunks][2] vectors, dimensions permuted as above) -> plain order
+inline void unpermute_pairs(const __m512* acc, int64_t head_dim, float* dst) {
+  for (int64_t c = 0; c * 32 < head_dim; ++c) {
+    alignas(64) float halves[2][16];
+    _mm512_store_ps(halves[0], acc[c * 2]);
+    _mm512_store_ps(halves[1], acc[c * 2 + 1]);
+    for (int64_t d = 0; d < std::min<int64_t>(32, head_dim - c * 32); ++d)
+      dst[c * 32 + d] = halves[(d % 8) / 4][(d / 8) * 4 + d % 4];
+  }
+}
+#endif
+
+template <typename T>
+void pv_kernel(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& block_tables,
+               const at::Tensor& seq_lens, at::Tensor& out) {
+  const Geometry g = geometry_of(v_cache, block_tables, probs.size(0), probs.size(1), probs.size(2));
+  const float* p_ptr = probs.data_ptr<float>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t block_elems = g.block_size * g.head_dim;
+  constexpr bool direct = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  at::parallel_for(0, g.batch * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxGroups * (kMaxHeadDim + 32)];  // direct: [groups][chunks][2] vectors
+    alignas(64) float rows_float[kRows * kMaxHeadDim];
+    alignas(64) float plain[kMaxHeadDim];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / g.num_kv_heads, kv = item % g.num_kv_heads;
+      const int64_t head0 = b * g.num_heads + kv * g.groups;
+      std::fill(std::begin(acc), std::end(acc), 0.f);
+      const float* p0 = p_ptr + head0 * g.context;
+      const int64_t len = std::min(lens[b], g.context);
+      const T* cache = v_ptr + kv * g.num_blocks * block_elems;
+      for (int64_t start = 0, j = 0; start < len; start += g.block_size, ++j) {
+        const T* block = cache + table[b * g.max_blocks + j] * block_elems;
+        if (start + kAhead * g.block_size < len)
+          prefetch_rows(cache + table[b * g.max_blocks + j + kAhead] * block_elems, block_elems * sizeof(T));
+        for (int64_t r0 = 0; r0 < std::min(g.block_size, len - start); r0 += kRows) {
+          const int64_t n = std::min({kRows, g.block_size - r0, len - start - r0});
+#if defined(__AVX512BF16__)
+          if constexpr (direct) {
+            pv_rows_bf16(block + r0 * g.head_dim, n, p0 + start + r0, g.context, g.groups, g.head_dim,
+                         reinterpret_cast<__m512*>(acc));
+            continue;
+          }
+#endif
+          rows_to_float(block + r0 * g.head_dim, n, g.head_dim, rows_float);
+          for (int64_t h = 0; h < g.groups; ++h) {
+            __m512 weight[kRows];  // probabilities of these rows; 0 for the repeated padding rows
+            for (int64_t r = 0; r < kRows; ++r) weight[r] = _mm512_set1_ps(r < n ? p0[h * g.context + start + r0 + r] : 0.f);
+            for (int64_t c = 0; c < g.head_dim; c += 16) {
+              __m512 even = _mm512_load_ps(acc + h * g.head_dim + c), odd = _mm512_setzero_ps();
+#pragma GCC unroll 8
+              for (int64_t r = 0; r < kRows; r += 2) {  // two chains, half the FMA latency
+                even = _mm512_fmadd_ps(weight[r], _mm512_load_ps(rows_float + r * g.head_dim + c), even);
+                odd = _mm512_fmadd_ps(weight[r + 1], _mm512_load_ps(rows_float + (r + 1) * g.head_dim + c), odd);
+              }
+              _mm512_store_ps(acc + h * g.head_dim + c, _mm512_add_ps(even, odd));
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < g.groups; ++h) {
+        const float* sums = acc + h * g.head_dim;
+#if defined(__AVX512BF16__)
+        if constexpr (direct) {
+          const int64_t chunks = (g.head_dim + 31) / 32;
+          unpermute_pairs(reinterpret_cast<const __m512*>(acc) + h * chunks * 2, g.head_dim, plain);
+          sums = plain;
+        }
+#endif
+        store_row(o_ptr + (head0 + h) * g.head_dim, sums, g.head_dim);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_qk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t context) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type(), "q: contiguous [batch, heads, head_dim], cache dtype");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens must be contiguous int64");
+  at::Tensor scores = at::empty({q.size(0), q.size(1), context}, q.options().dtype(at::kFloat));
+  switch (q.scalar_type()) {
+    case at::kBFloat16: qk_kernel<c10::BFloat16>(q, k_cache, block_tables, seq_lens, scale, scores); break;
+    case at::kHalf: qk_kernel<c10::Half>(q, k_cache, block_tables, seq_lens, scale, scores); break;
+    case at::kFloat: qk_kernel<float>(q, k_cache, block_tables, seq_lens, scale, scores); break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return scores;
+}
+
+at::Tensor paged_decode_pv(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens) {
+  TORCH_CHECK(probs.dim() == 3 && probs.is_contiguous() && probs.scalar_type() == at::kFloat, "probs: contiguous float32 [batch, heads, context]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens must be contiguous int64");
+  at::Tensor out = at::empty({probs.size(0), probs.size(1), v_cache.size(3)}, v_cache.options());
+  switch (v_cache.scalar_type()) {
+    case at::kBFloat16: pv_kernel<c10::BFloat16>(probs, v_cache, block_tables, seq_lens, out); break;
+    case at::kHalf: pv_kernel<c10::Half>(probs, v_cache, block_tables, seq_lens, out); break;
+    case at::kFloat: pv_kernel<float>(probs, v_cache, block_tables, seq_lens, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("paged_decode_qk(Tensor q, Tensor k_cache, Tensor block_tables, Tensor seq_lens, float scale, int context) -> Tensor");
+  m.def("paged_decode_pv(Tensor probs, Tensor v_cache, Tensor block_tables, Tensor seq_lens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("paged_decode_qk", paged_decode_qk);
+  m.impl("paged_decode_pv", paged_decode_pv);
+}
