@@ -26,9 +26,15 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """The default model's tokenizer (built from its GGUF once), saved as HF files."""
+    """The default model's tokenizer (built from its GGUF once), saved as HF files.
+
+    TOKENMILL_TEST_TOKENIZER_DIR names a saved copy instead, for machines without the default
+    model (a GPU box that cannot install it).
+    """
     from tokenmill.models.loader import default_model_path, load_tokenizer
 
+    if os.environ.get("TOKENMILL_TEST_TOKENIZER_DIR"):
+        return Path(os.environ["TOKENMILL_TEST_TOKENIZER_DIR"])
     path = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(default_model_path()).save_pretrained(path)
     return path
