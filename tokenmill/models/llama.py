@@ -16,6 +16,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.attention import AttentionContext
+from tokenmill.layers.linear import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -65,8 +66,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):
