@@ -36,6 +36,19 @@ def test_fallback_when_disabled_or_unsupported(monkeypatch):
     assert type(default_attention_backend(cpu, torch.bfloat16, 64, 3)) is TorchPagedAttention
 
 
+def test_build_failure_falls_back_with_one_line(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def broken_build(**kwargs):
+        raise RuntimeError("Error building extension 'tokenmill_cpu_kernels'\n(the compiler's log)")
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    assert load_cpu_kernels.__wrapped__() is False  # the cached function, called afresh
+    assert "using the PyTorch path: Error building extension" in caplog.text
+    assert "compiler's log" not in caplog.text
+
+
 class Scenario:
     """Sequences with known per-token q/k/v, their blocks scattered over a shared cache."""
 

@@ -13,8 +13,10 @@ be built, or with TOKENMILL_CPU_KERNELS=0, decode falls back to the PyTorch path
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 
 import torch
@@ -38,7 +40,7 @@ def load_cpu_kernels() -> bool:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name="tokenmill_cpu_kernels",
+            name=f"tokenmill_cpu_kernels_{_cpu_fingerprint()}",
             sources=[str(SOURCE)],
             # -fopenmp: at::parallel_for is inline OpenMP; it resolves to the libgomp torch loaded
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
@@ -47,9 +49,20 @@ def load_cpu_kernels() -> bool:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, an unexpected toolchain: run without it
-        logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s", str(exc).splitlines()[0])
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s", first_line)
         return False
     return True
+
+
+def _cpu_fingerprint() -> str:
+    """A short hash of this CPU's feature flags: builds use -march=native, so a cache shared by
+    machines (an NFS home) must not hand one CPU's build to another."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor() or platform.machine()
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
 def kernel_supports(head_dim: int, num_query_groups: int, dtype: torch.dtype) -> bool:
