@@ -60,6 +60,7 @@ Geometry geometry_of(const at::Tensor& cache, const at::Tensor& block_tables, in
   TORCH_CHECK(num_heads % g.num_kv_heads == 0 && g.groups <= kMaxGroups, "unsupported number of query heads per kv head");
   TORCH_CHECK(g.head_dim % 16 == 0 && g.head_dim <= kMaxHeadDim, "head_dim must be a multiple of 16, at most 256");
   TORCH_CHECK(block_tables.size(0) == batch, "one block table row per sequence");
+  TORCH_CHECK(context <= g.max_blocks * g.block_size, "context longer than the block tables");  // block ids: the caller's
   return g;
 }
 
@@ -111,7 +112,7 @@ __attribute__((always_inline)) inline void scores16(const T* column, int64_t n, 
     return;
   }
 #endif
-  // fp32 path: split each token's pair into even and odd dimensions
+  // Other dtypes (and bf16 without AVX512-BF16), in fp32: split each pair into even and odd dimensions
   const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd_index = _mm512_add_epi32(even_index, _mm512_set1_epi32(1));
   const __mmask16 first = static_cast<__mmask16>((1u << std::min<int64_t>(2 * n, 16)) - 1);
