@@ -69,7 +69,8 @@ class Scenario:
 
     def run(self, backend, steps):
         """steps: per step, a list of (sequence, number of new tokens); returns each step's output."""
-        k_cache, v_cache = torch.zeros(self.cache_shape, dtype=self.dtype), torch.zeros(self.cache_shape, dtype=self.dtype)
+        k_cache = torch.zeros(self.cache_shape, dtype=self.dtype)
+        v_cache = torch.zeros(self.cache_shape, dtype=self.dtype)
         done = [0] * len(self.seq_lens)
         outputs = []
         for step in steps:

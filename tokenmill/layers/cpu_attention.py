@@ -89,7 +89,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def _write_keys(self, k_cache: torch.Tensor, write_index: torch.Tensor, keys: torch.Tensor) -> None:
         # Each (dimension pair) of a key is one element of a twice-as-wide integer view of the cache.
         pair_dtype = _PAIR_DTYPES[k_cache.element_size()]
-        k_cache.view(-1).view(pair_dtype).index_copy_(0, self._pair_index_for(write_index, k_cache), keys.view(pair_dtype).flatten())
+        index = self._pair_index_for(write_index, k_cache)
+        k_cache.view(-1).view(pair_dtype).index_copy_(0, index, keys.view(pair_dtype).flatten())
 
     def _pair_index_for(self, write_index: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
         """Where each dimension pair of each written key goes; the same for every layer of a step."""

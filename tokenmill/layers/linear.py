@@ -85,7 +85,8 @@ def pack_linear_weights(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 weight, bias = child.weight.data, None if child.bias is None else child.bias.data
-                packed = CpuPackedGateUp(weight) if name == "gate_up_proj" and bias is None else CpuPackedLinear(weight, bias)
+                gate_up = name == "gate_up_proj" and bias is None
+                packed = CpuPackedGateUp(weight) if gate_up else CpuPackedLinear(weight, bias)
                 setattr(parent, name, packed)
                 extra += child.weight.numel() * child.weight.element_size()
     return extra
