@@ -228,12 +228,11 @@ class TorchPagedAttention:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: AttentionBucket,
                 scale: float) -> torch.Tensor:
         """q: [B, num_heads, head_dim], one query per sequence -> [B, num_heads * head_dim]."""
-        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        num_kv_heads, _, _, head_dim = k_cache.shape
         batch, groups = q.shape[0], q.shape[1] // num_kv_heads
         queries = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
         queries = queries.reshape(num_kv_heads * batch, groups, head_dim)  # [kv_heads * B, groups, head_dim]
-        k_rows = k_cache.view(num_kv_heads * num_blocks, block_size * head_dim)
-        keys = self._gather(k_rows, bucket.gather_index).view(num_kv_heads * batch, bucket.context_len, head_dim)
+        keys = self._gather_keys(k_cache, bucket).view(num_kv_heads * batch, bucket.context_len, head_dim)
         scores = torch.baddbmm(bucket.attn_mask, queries, keys.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         # probs @ values without gathering the values: a weighted sum of cache rows per bag
@@ -244,7 +243,7 @@ class TorchPagedAttention:
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: AttentionBucket,
                  scale: float) -> torch.Tensor:
         """Queries of the bucket's chunks (taken from the flat q) -> [num_valid, num_heads * head_dim]."""
-        num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+        num_kv_heads, num_blocks, _, head_dim = k_cache.shape
         batch, max_q = bucket.query_index.shape
         num_heads = q.shape[1]
         groups = num_heads // num_kv_heads

@@ -123,8 +123,10 @@ class CpuPagedAttention(TorchPagedAttention):
 def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
                               num_query_groups: int) -> AttentionBackend:
     """The fastest backend that supports this model on this device."""
-    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
-        return TorchPagedAttention()
-    if device.type == "cpu" and kernel_supports(head_dim, num_query_groups, dtype) and load_cpu_kernels():
-        return CpuPagedAttention()
-    return TorchPagedAttention()
+    use_kernel = (
+        os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0"
+        and device.type == "cpu"
+        and kernel_supports(head_dim, num_query_groups, dtype)
+        and load_cpu_kernels()
+    )
+    return CpuPagedAttention() if use_kernel else TorchPagedAttention()

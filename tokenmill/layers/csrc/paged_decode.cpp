@@ -131,6 +131,20 @@ __attribute__((always_inline)) inline void scores16(const T* column, int64_t n, 
   }
 }
 
+// The first `len` cached tokens of one sequence in one kv head's cache, in runs of at most 16
+// rows of one block: visit(block, r0, t0, n) sees tokens t0..t0+n-1, rows r0..r0+n-1 of `block`.
+// Blocks kAhead ahead are prefetched.
+template <typename T, typename Visit>
+inline void for_each_run(const Geometry& g, const T* cache, const int64_t* blocks, int64_t len, Visit&& visit) {
+  const int64_t block_elems = g.block_size * g.head_dim;
+  for (int64_t start = 0, j = 0; start < len; start += g.block_size, ++j) {
+    if (start + kAhead * g.block_size < len)
+      prefetch_rows(cache + blocks[j + kAhead] * block_elems, block_elems * sizeof(T));
+    for (int64_t r0 = 0; r0 < std::min(g.block_size, len - start); r0 += kRows)
+      visit(cache + blocks[j] * block_elems, r0, start + r0, std::min({kRows, g.block_size - r0, len - start - r0}));
+  }
+}
+
 template <typename T>
 void qk_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_tables,
                const at::Tensor& seq_lens, float scale, at::Tensor& scores) {
@@ -149,21 +163,14 @@ void qk_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
       float* out0 = out + head0 * g.context;
       const int64_t len = std::min(lens[b], g.context);
       const T* cache = k_ptr + kv * g.num_blocks * block_elems;
-      for (int64_t start = 0, j = 0; start < len; start += g.block_size, ++j) {
-        const T* block = cache + table[b * g.max_blocks + j] * block_elems;
-        if (start + kAhead * g.block_size < len)
-          prefetch_rows(cache + table[b * g.max_blocks + j + kAhead] * block_elems, block_elems * sizeof(T));
-        for (int64_t r0 = 0; r0 < std::min(g.block_size, len - start); r0 += kRows) {
-          const int64_t n = std::min({kRows, g.block_size - r0, len - start - r0});
-          __m512 acc[kMaxGroups];
-          scores16(block + r0 * 2, n, g.block_size, q_ptr + head0 * g.head_dim, g.groups, g.head_dim, acc);
-          const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+      for_each_run(g, cache, table + b * g.max_blocks, len, [&](const T* block, int64_t r0, int64_t t0, int64_t n) {
+        __m512 acc[kMaxGroups];
+        scores16(block + r0 * 2, n, g.block_size, q_ptr + head0 * g.head_dim, g.groups, g.head_dim, acc);
+        const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
 #pragma GCC unroll 8
-          for (int64_t h = 0; h < kMaxGroups; ++h)
-            if (h < g.groups)
-              _mm512_mask_storeu_ps(out0 + h * g.context + start + r0, keep, _mm512_mul_ps(acc[h], scale_v));
-        }
-      }
+        for (int64_t h = 0; h < kMaxGroups; ++h)
+          if (h < g.groups) _mm512_mask_storeu_ps(out0 + h * g.context + t0, keep, _mm512_mul_ps(acc[h], scale_v));
+      });
       for (int64_t h = 0; h < g.groups; ++h)
         std::fill(out0 + h * g.context + len, out0 + (h + 1) * g.context, -std::numeric_limits<float>::infinity());
     }
@@ -173,6 +180,26 @@ void qk_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
 template <typename T>
 inline void store_row(T* dst, const float* src, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d]);
+}
+
+// probs[r] * V[r] for up to 16 rows of any dtype, in fp32, added into acc ([groups][head_dim]).
+template <typename T>
+inline void pv_rows_float(const T* rows, int64_t n, const float* probs, int64_t probs_stride, int64_t groups,
+                          int64_t head_dim, float* acc, float* rows_float /* [16][head_dim] scratch */) {
+  rows_to_float(rows, n, head_dim, rows_float);
+  for (int64_t h = 0; h < groups; ++h) {
+    __m512 weight[kRows];  // probabilities of these rows; 0 for the repeated padding rows
+    for (int64_t r = 0; r < kRows; ++r) weight[r] = _mm512_set1_ps(r < n ? probs[h * probs_stride + r] : 0.f);
+    for (int64_t c = 0; c < head_dim; c += 16) {
+      __m512 even = _mm512_load_ps(acc + h * head_dim + c), odd = _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < kRows; r += 2) {  // two chains, half the FMA latency
+        even = _mm512_fmadd_ps(weight[r], _mm512_load_ps(rows_float + r * head_dim + c), even);
+        odd = _mm512_fmadd_ps(weight[r + 1], _mm512_load_ps(rows_float + (r + 1) * head_dim + c), odd);
+      }
+      _mm512_store_ps(acc + h * head_dim + c, _mm512_add_ps(even, odd));
+    }
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -248,35 +275,16 @@ void pv_kernel(const at::Tensor& probs, const at::Tensor& v_cache, const at::Ten
       const float* p0 = p_ptr + head0 * g.context;
       const int64_t len = std::min(lens[b], g.context);
       const T* cache = v_ptr + kv * g.num_blocks * block_elems;
-      for (int64_t start = 0, j = 0; start < len; start += g.block_size, ++j) {
-        const T* block = cache + table[b * g.max_blocks + j] * block_elems;
-        if (start + kAhead * g.block_size < len)
-          prefetch_rows(cache + table[b * g.max_blocks + j + kAhead] * block_elems, block_elems * sizeof(T));
-        for (int64_t r0 = 0; r0 < std::min(g.block_size, len - start); r0 += kRows) {
-          const int64_t n = std::min({kRows, g.block_size - r0, len - start - r0});
+      for_each_run(g, cache, table + b * g.max_blocks, len, [&](const T* block, int64_t r0, int64_t t0, int64_t n) {
 #if defined(__AVX512BF16__)
-          if constexpr (direct) {
-            pv_rows_bf16(block + r0 * g.head_dim, n, p0 + start + r0, g.context, g.groups, g.head_dim,
-                         reinterpret_cast<__m512*>(acc));
-            continue;
-          }
-#endif
-          rows_to_float(block + r0 * g.head_dim, n, g.head_dim, rows_float);
-          for (int64_t h = 0; h < g.groups; ++h) {
-            __m512 weight[kRows];  // probabilities of these rows; 0 for the repeated padding rows
-            for (int64_t r = 0; r < kRows; ++r) weight[r] = _mm512_set1_ps(r < n ? p0[h * g.context + start + r0 + r] : 0.f);
-            for (int64_t c = 0; c < g.head_dim; c += 16) {
-              __m512 even = _mm512_load_ps(acc + h * g.head_dim + c), odd = _mm512_setzero_ps();
-#pragma GCC unroll 8
-              for (int64_t r = 0; r < kRows; r += 2) {  // two chains, half the FMA latency
-                even = _mm512_fmadd_ps(weight[r], _mm512_load_ps(rows_float + r * g.head_dim + c), even);
-                odd = _mm512_fmadd_ps(weight[r + 1], _mm512_load_ps(rows_float + (r + 1) * g.head_dim + c), odd);
-              }
-              _mm512_store_ps(acc + h * g.head_dim + c, _mm512_add_ps(even, odd));
-            }
-          }
+        if constexpr (direct) {
+          pv_rows_bf16(block + r0 * g.head_dim, n, p0 + t0, g.context, g.groups, g.head_dim,
+                       reinterpret_cast<__m512*>(acc));
+          return;
         }
-      }
+#endif
+        pv_rows_float(block + r0 * g.head_dim, n, p0 + t0, g.context, g.groups, g.head_dim, acc, rows_float);
+      });
       for (int64_t h = 0; h < g.groups; ++h) {
         const float* sums = acc + h * g.head_dim;
 #if defined(__AVX512BF16__)
