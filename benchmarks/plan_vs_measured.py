@@ -24,7 +24,8 @@ def main() -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.models.loader import default_model_path
     from tokenmill.plan.hardware import this_cpu
-    from tokenmill.plan.model_math import ModelMath, load_model_config
+    from tokenmill.models.loader import load_model_config
+    from tokenmill.plan.model_math import ModelMath
     from tokenmill.plan.planner import CPU_EFFICIENCY, CPU_KV_FRACTION, PlanInputs, batch_run_seconds, make_plan
     from tokenmill.platform import available_memory_bytes, resolve_dtype
 

@@ -76,7 +76,7 @@ def test_leaving_a_stream_aborts_and_frees_blocks(tiny_llm):
 def test_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_llm, monkeypatch):
     engine = tiny_llm.engine
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    real_execute = engine.runner.execute
+    real_execute = engine.executor.execute
     calls = {"n": 0}
 
     def execute_failing_once(scheduler_output):
@@ -85,7 +85,7 @@ def test_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_llm, monkeyp
             raise RuntimeError("simulated kernel failure")
         return real_execute(scheduler_output)
 
-    monkeypatch.setattr(engine.runner, "execute", execute_failing_once)
+    monkeypatch.setattr(engine.executor, "execute", execute_failing_once)
 
     async def body(async_engine):
         with pytest.raises(RuntimeError, match="simulated kernel failure"):

@@ -24,7 +24,7 @@ def test_greedy_matches_transformers_on_cuda(arch, tiny_model_dirs, tokenizer):
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to("cuda").eval()
     hf.generation_config.eos_token_id = None
     llm = LLM(model=str(path), dtype="float32", device="cuda", num_kv_blocks=128)
-    assert llm.engine.device.type == "cuda" and type(llm.engine.runner.backend) is TorchPagedAttention
+    assert llm.engine.device.type == "cuda" and type(llm.engine.executor.runner.backend) is TorchPagedAttention
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, output in zip(PROMPTS, outputs):
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to("cuda")

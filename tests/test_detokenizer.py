@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tokenmill import SamplingParams
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
@@ -34,7 +35,7 @@ def test_multibyte_tokens_really_split(tokenizer):
 def test_stop_string_split_across_tokens(tokenizer, stop):
     text = "Hello world. STOP here。 and more text after it"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, [], stop_strings=[stop])
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=[stop]))
     emitted = ""
     for t in ids:
         emitted += detok.add_token(t)
@@ -49,13 +50,13 @@ def test_stop_string_split_across_tokens(tokenizer, stop):
 def test_stop_string_held_back_then_released(tokenizer):
     text = "abc ST abc"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, [], stop_strings=["STOP"])
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP"]))
     emitted = "".join(detok.add_token(t) for t in ids) + detok.finish()
     assert detok.stop_string is None and emitted == text
 
 
 def test_earliest_stop_string_wins(tokenizer):
     ids = tokenizer("one two three four", add_special_tokens=False)["input_ids"]
-    detok = IncrementalDetokenizer(tokenizer, [], stop_strings=["four", "two"])
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["four", "two"]))
     emitted = "".join(detok.add_token(t) for t in ids) + detok.finish()
     assert emitted == "one " and detok.stop_string == "two"

@@ -110,10 +110,8 @@ def test_bad_engine_arguments(tiny_llama_dir):
 
 
 def test_kv_cache_memory_budget_sets_pool_size(tiny_llama_dir):
-    from tokenmill.worker.model_runner import kv_cache_bytes_per_block
-
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=3_000_000)
-    per_block = kv_cache_bytes_per_block(llm.engine.model_config, 16, llm.engine.dtype)
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # (K, V) x 2 layers x 2 KV heads x head_dim 16 x 4 bytes x 16 tokens
     assert llm.stats().kv_cache.num_blocks == 3_000_000 // per_block
     by_fraction = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=0.001)
     assert by_fraction.stats().kv_cache.num_blocks > 0

@@ -9,11 +9,13 @@ import torch
 
 from tokenmill import SamplingParams
 from tokenmill.errors import InvalidParameterError, TokenmillError
+from tokenmill.engine.scheduler_output import SamplingRequest
 from tokenmill.layers.sampler import SamplingSpec, gumbel_noise, sample
+from tokenmill.worker.model_runner import sampling_spec
 
 
-def spec(params: SamplingParams, seed: int = 0, output: list[int] | None = None, prompt=None, stop_ids=None):
-    return SamplingSpec(params, seed, prompt or [], output or [], stop_ids or [])
+def spec(params: SamplingParams, seed: int = 0, output: list[int] | None = None, prompt=None, banned=None):
+    return SamplingSpec(params, seed, prompt or [], output or [], banned or [])
 
 
 @pytest.mark.parametrize(
@@ -90,11 +92,13 @@ def test_penalties_and_logit_bias():
     assert sample(logits.clone(), [bias])[0].token_id == 3
 
 
-def test_min_tokens_masks_stop_tokens():
+def test_min_tokens_bans_stop_tokens_until_reached():
     logits = torch.tensor([[5.0, 1.0, 0.0]])
-    early = spec(SamplingParams(temperature=0, min_tokens=2), output=[1], stop_ids=[0])
-    late = spec(SamplingParams(temperature=0, min_tokens=2), output=[1, 1], stop_ids=[0])
-    assert [t.token_id for t in sample(logits.clone().repeat(2, 1), [early, late])] == [1, 0]
+    params = SamplingParams(temperature=0, min_tokens=2)
+    # token 0 ends the sequence: never as its first or second token, as its third
+    specs = [sampling_spec(SamplingRequest(params, 0, [7], [1] * n, frozenset({0}))) for n in range(3)]
+    assert [s.banned_token_ids for s in specs] == [[0], [0], []]
+    assert [t.token_id for t in sample(logits.repeat(3, 1), specs)] == [1, 1, 0]
 
 
 def test_logprobs_chosen_and_top_k():

@@ -11,7 +11,7 @@ from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import RequestTooLongError
-from tokenmill.layers.sampler import SampledToken
+from tokenmill.outputs import SampledToken
 from tokenmill.sampling_params import SamplingParams
 
 EOS = 0

@@ -47,7 +47,7 @@ def _fail_call(monkeypatch, target, name: str, failing_call: int) -> None:
 
 
 def test_failed_engine_step_is_500_for_its_request_only(app_server, tiny_llm, monkeypatch):
-    _fail_call(monkeypatch, tiny_llm.engine.runner, "execute", 1)
+    _fail_call(monkeypatch, tiny_llm.engine.executor, "execute", 1)
     result = app_server.post("/v1/completions", {"prompt": "doomed", "max_tokens": 4})
     assert result.status == 500
     error = result.json()["error"]
@@ -56,7 +56,7 @@ def test_failed_engine_step_is_500_for_its_request_only(app_server, tiny_llm, mo
 
 
 def test_failure_mid_stream_ends_that_stream_with_an_error_event(app_server, tiny_llm, monkeypatch):
-    _fail_call(monkeypatch, tiny_llm.engine.runner, "execute", 3)
+    _fail_call(monkeypatch, tiny_llm.engine.executor, "execute", 3)
     conn, response = app_server.open_stream("/v1/completions",
                                             {"prompt": "stream", "max_tokens": 20, "ignore_eos": True})
     assert response.status == 200

@@ -11,7 +11,7 @@ from server_harness import start_server
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidParameterError
-from tokenmill.parallel.executor import WorkerDiedError
+from tokenmill.executor.tensor_parallel import WorkerDiedError
 
 PROMPTS = [
     "Once upon a time, in a kingdom by the sea, there lived a king who loved numbers more than gold.",
@@ -51,9 +51,9 @@ def test_tp2_matches_one_device(tiny_model_dirs, arch):
 def test_each_rank_holds_about_half_the_weights(tiny_llama_dir):
     one = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16)
     with LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2) as tp:
-        full, shard = _param_bytes(one.engine.runner.model), _param_bytes(tp.engine.runner.model)
+        full, shard = _param_bytes(one.engine.executor.runner.model), _param_bytes(tp.engine.executor.runner.model)
         assert 0.45 <= shard / full <= 0.55
-        kv_full, kv_shard = one.engine.runner.kv_cache, tp.engine.runner.runner.kv_cache
+        kv_full, kv_shard = one.engine.executor.runner.kv_cache, tp.engine.executor.runner.kv_cache
         assert kv_shard.numel() * 2 == kv_full.numel()  # half the KV heads
 
 
@@ -66,14 +66,14 @@ def test_a_dead_worker_is_reported(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
     try:
         llm.generate("warm", SamplingParams(max_tokens=2), use_tqdm=False)
-        worker = llm.engine.runner.workers[0]
+        worker = llm.engine.executor.workers[0]
         worker.kill()
         worker.wait()
         with pytest.raises(WorkerDiedError, match="worker 1 exited"):
             llm.generate("after", SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         llm.close()
-    assert all(w.poll() is not None for w in llm.engine.runner.workers)
+    assert all(w.poll() is not None for w in llm.engine.executor.workers)
 
 
 @pytest.mark.slow
@@ -97,7 +97,7 @@ def _worker_pids(parent_pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent_pid and b"tokenmill.parallel.worker" in cmdline:
+        if ppid == parent_pid and b"tokenmill.executor.tp_worker" in cmdline:
             pids.append(int(entry.name))
     return pids
 

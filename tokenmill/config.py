@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_BLOCK_SIZE = 16
+# The KV pool's default share of memory: of the RAM available at start on CPU (other programs
+# share the machine), of the memory left free after the weights on CUDA.
+DEFAULT_KV_CACHE_FRACTION = {"cpu": 0.05, "cuda": 0.8}
+OTHER_DEVICE_KV_CACHE_FRACTION = 0.1
 
 
 @dataclass
@@ -34,9 +38,23 @@ class ModelConfig:
     def num_query_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Qwen2 always has q/k/v biases; other families when attention_bias is set."""
+        return self.attention_bias or self.architecture == "qwen2"
+
+    @property
+    def has_o_bias(self) -> bool:
+        """attention_bias puts a bias on o_proj too, except in Qwen2 (q/k/v only)."""
+        return self.attention_bias and self.architecture != "qwen2"
+
     def kv_bytes_per_token(self, element_size: float) -> float:
         """KV cache bytes of one token across all layers, keys and values."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
+
+    def kv_bytes_per_block(self, block_size: int, element_size: int) -> int:
+        """Bytes one KV block of block_size tokens takes across all layers, keys and values."""
+        return int(self.kv_bytes_per_token(element_size)) * block_size
 
 
 @dataclass
@@ -45,9 +63,15 @@ class CacheConfig:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None  # bytes; None = a share of free memory
-    kv_cache_memory_fraction: float | None = None  # None: 0.05 of RAM on CPU, 0.8 of free memory on CUDA
+    kv_cache_memory_fraction: float | None = None  # None: DEFAULT_KV_CACHE_FRACTION of the device type
     enable_prefix_caching: bool = True
     num_blocks: int | None = None  # overrides the memory budget (tests)
+
+    def memory_fraction(self, device_type: str) -> float:
+        """The share of available memory the KV pool takes when no byte budget is given."""
+        if self.kv_cache_memory_fraction is not None:
+            return self.kv_cache_memory_fraction
+        return DEFAULT_KV_CACHE_FRACTION.get(device_type, OTHER_DEVICE_KV_CACHE_FRACTION)
 
 
 @dataclass
@@ -68,6 +92,6 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
-    rendezvous: object | None = None  # parallel.executor.Rendezvous under torchrun; None: spawn local workers
+    rendezvous: object | None = None  # executor.tensor_parallel.Rendezvous under torchrun; None: spawn local workers
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,4 +1,5 @@
-"""What generate() returns: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What a step samples (SampledToken) and what generate() returns (vLLM's RequestOutput /
+CompletionOutput shapes)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+@dataclass
+class SampledToken:
+    """One token sampled for one sequence in a step, with its logprobs when they were asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
 
 
 # One entry per generated token: token id -> Logprob (the chosen one plus the top-k).

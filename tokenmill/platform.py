@@ -78,11 +78,24 @@ def _meminfo_bytes(key: str) -> int | None:
     return None
 
 
-def set_cpu_threads() -> None:
-    """One intra-op thread per physical core (hyper-threads slow GEMMs down),
-    unless the user pinned OMP_NUM_THREADS."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
+def set_cpu_threads(num_ranks: int = 1) -> int:
+    """Give each of num_ranks processes sharing this machine an equal share of its physical cores
+    (hyper-threads slow GEMMs down) as torch intra-op threads, or of OMP_NUM_THREADS if the user
+    pinned it. Idempotent: the same number whenever it is called. Returns it."""
+    threads = max(1, _cpu_budget() // num_ranks)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _cpu_budget() -> int:
+    pinned = os.environ.get("OMP_NUM_THREADS", "")
+    if pinned.isdigit() and int(pinned) > 0:
+        return int(pinned)
+    return physical_cpu_cores()
+
+
+def physical_cpu_cores() -> int:
+    """Distinct (socket, core) pairs in /proc/cpuinfo; the logical CPU count where it cannot tell."""
     cores: set[tuple[str, str]] = set()
     physical_id = "0"
     try:
@@ -93,7 +106,5 @@ def set_cpu_threads() -> None:
                 elif line.startswith("core id"):
                     cores.add((physical_id, line.split(":", 1)[1].strip()))
     except OSError:
-        return
-    if cores:
-        torch.set_num_threads(len(cores))
-
+        pass
+    return len(cores) or len(os.sched_getaffinity(0))

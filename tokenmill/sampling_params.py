@@ -51,6 +51,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
+    def may_stop_at(self, position: int) -> bool:
+        """min_tokens: may the position-th generated token (1-based) end the generation, as a stop
+        or EOS token or by completing a stop string? The first min_tokens tokens never do."""
+        return position > self.min_tokens
+
     @property
     def has_penalties(self) -> bool:
         return (

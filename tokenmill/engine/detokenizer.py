@@ -7,6 +7,8 @@ be the beginning of a stop string is held until it can no longer match.
 
 from __future__ import annotations
 
+from tokenmill.sampling_params import SamplingParams
+
 # Prompt tokens kept as left context, so the first output token decodes with the
 # spacing it has in context.
 _CONTEXT_TOKENS = 6
@@ -15,19 +17,12 @@ _CONTEXT_TOKENS = 6
 class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text deltas."""
 
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: list[int],
-        stop_strings: list[str] | None = None,
-        skip_special_tokens: bool = True,
-        min_tokens: int = 0,
-    ) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.stop_strings = list(stop_strings or [])
+        self.params = params or SamplingParams()
+        self.skip_special_tokens = self.params.skip_special_tokens
+        self.stop_strings = self.params.stop_strings
         self.hold = max((len(s) for s in self.stop_strings), default=1) - 1
-        self.min_tokens = min_tokens
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -66,7 +61,7 @@ class IncrementalDetokenizer:
             return
         start = max(0, len(self.text) - self.hold)
         self.text += piece
-        if not self.stop_strings or self.num_output_tokens < self.min_tokens:
+        if not self.stop_strings or not self.params.may_stop_at(self.num_output_tokens):
             return
         found = [(i, s) for s in self.stop_strings if (i := self.text.find(s, start)) >= 0]
         if found:
@@ -75,7 +70,10 @@ class IncrementalDetokenizer:
             self.stop_string = stop
 
     def _take(self, final: bool) -> str:
-        end = len(self.text) if final or self.stop_string is not None else max(self.num_emitted, len(self.text) - self.hold)
+        if final or self.stop_string is not None:
+            end = len(self.text)
+        else:
+            end = max(self.num_emitted, len(self.text) - self.hold)
         piece = self.text[self.num_emitted : end]
         self.num_emitted = end
         return piece

@@ -16,18 +16,12 @@ from tokenmill.engine.metrics import StepStats
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import InvalidParameterError
-from tokenmill.models.loader import load_model, resolve_model_path
-from tokenmill.parallel.executor import Rendezvous, TensorParallelExecutor, WorkerSpec, free_port
-from tokenmill.parallel.sharding import check_divisible, shard_config
-from tokenmill.plan.model_math import load_model_config
+from tokenmill.executor.base import Executor, create_executor
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.platform import available_memory_bytes, resolve_device, resolve_dtype, set_cpu_threads
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.model_runner import ModelRunner, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_KV_FRACTION = {"cpu": 0.05, "cuda": 0.8}
 
 
 @dataclass
@@ -58,41 +52,23 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        tp = config.tensor_parallel_size
-        if tp < 1:
+        if config.tensor_parallel_size < 1:
             raise InvalidParameterError("tensor_parallel_size must be at least 1", param="tensor_parallel_size")
         if self.device.type == "cpu":
-            set_cpu_threads()
-            torch.set_num_threads(max(1, torch.get_num_threads() // tp))  # the cores are shared by the ranks
-        executor = None
-        if tp > 1:  # workers start loading their shards while this process loads its own
-            check_divisible(load_model_config(resolve_model_path(config.model)), tp)  # before any process starts
-            spec = WorkerSpec(
-                model=config.model, dtype=str(self.dtype).removeprefix("torch."), device=config.device,
-                max_model_len=config.scheduler.max_model_len, block_size=config.cache.block_size,
-                num_threads=torch.get_num_threads(),
-            )
-            executor = TensorParallelExecutor(spec, config.rendezvous or Rendezvous("127.0.0.1", free_port(), tp))
-        try:
-            loaded = load_model(config.model, self.dtype, self.device, config.scheduler.max_model_len,
-                                shard=None if executor is None else executor.comm)
-        except Exception:
-            if executor is not None:
-                executor.shutdown()
-            raise
+            set_cpu_threads(config.tensor_parallel_size)  # the ranks share the cores
+        self.executor: Executor = create_executor(config, self.device, self.dtype)
+        loaded = self.executor.load_model()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.model_path = loaded.path
         cache = config.cache
-        num_blocks = cache.num_blocks or self._num_blocks_from_budget()
+        # Each tensor-parallel rank holds its share of every block: size the pool by this rank's heads.
+        bytes_per_block = loaded.model.config.kv_bytes_per_block(cache.block_size, self.dtype.itemsize)
+        num_blocks = cache.num_blocks or self._num_blocks_from_budget(bytes_per_block)
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
-        if executor is not None:
-            executor.start(loaded.model, num_blocks, self.device, self.dtype)
-            self.runner = executor
-        else:
-            self.runner = ModelRunner(loaded.model, num_blocks, cache.block_size, self.device, self.dtype)
+        self.executor.init_kv_cache(num_blocks)
         self._seed_rng = random.Random(config.seed)
         self.num_steps = 0
         self.last_step: StepStats | None = None
@@ -103,29 +79,21 @@ class LLMEngine:
             self.model_path.name, self.model_config.architecture, self.dtype, self.device, num_blocks, cache.block_size,
         )
 
-    def _num_blocks_from_budget(self) -> int:
-        """Blocks that fit the KV budget of one device (each rank holds 1/tp of every block)."""
+    def _num_blocks_from_budget(self, bytes_per_block: int) -> int:
+        """Blocks that fit the KV budget of one device."""
         cache = self.config.cache
-        model_config = self.model_config
-        if self.config.tensor_parallel_size > 1:
-            model_config = shard_config(model_config, self.config.tensor_parallel_size)
-        per_block = kv_cache_bytes_per_block(model_config, cache.block_size, self.dtype)
         budget = cache.kv_cache_memory
         if budget is None:
-            fraction = cache.kv_cache_memory_fraction or _DEFAULT_KV_FRACTION.get(self.device.type, 0.1)
-            budget = int(available_memory_bytes(self.device) * fraction)
-        num_blocks = budget // per_block
+            budget = int(available_memory_bytes(self.device) * cache.memory_fraction(self.device.type))
+        num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise InvalidParameterError(
-                f"kv_cache_memory ({budget} bytes) is smaller than one KV block ({per_block} bytes)",
+                f"kv_cache_memory ({budget} bytes) is smaller than one KV block ({bytes_per_block} bytes)",
                 param="kv_cache_memory",
             )
         # More blocks than every sequence could ever use is memory for nothing.
-        most_useful = self.config.scheduler.max_num_seqs * self.kv_cache_blocks_per_seq(cache.block_size)
-        return int(min(num_blocks, most_useful))
-
-    def kv_cache_blocks_per_seq(self, block_size: int) -> int:
-        return -(-self.max_model_len // block_size)
+        blocks_per_seq = -(-self.max_model_len // cache.block_size)
+        return int(min(num_blocks, self.config.scheduler.max_num_seqs * blocks_per_seq))
 
     # ---- intake --------------------------------------------------------------------------
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -180,8 +148,7 @@ class LLMEngine:
             )
         group = _Group(
             request_id, prompt_text, prompt_token_ids, children,
-            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop_strings,
-                                    params.skip_special_tokens, params.min_tokens) for _ in children],
+            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in children],
         )
         for child in children:
             self.scheduler.add_request(child)
@@ -211,7 +178,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        sampled = self.runner.execute(scheduler_output)
+        sampled = self.executor.execute(scheduler_output)
         updated = self.scheduler.update(scheduler_output, sampled)
         outputs = self._process_outputs(updated)
         self.num_steps += 1
@@ -285,13 +252,11 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """Raise EngineDeadError if part of the engine (a tensor-parallel worker) is gone."""
-        if hasattr(self.runner, "check_workers"):
-            self.runner.check_workers()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (the engine is unusable afterwards)."""
-        if hasattr(self.runner, "shutdown"):
-            self.runner.shutdown()
+        self.executor.shutdown()
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -63,6 +63,10 @@ class Request:
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id
         self.all_token_ids = list(self.prompt_token_ids)
+        params = self.sampling_params
+        # The tokens that end this sequence once params.may_stop_at allows it.
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []

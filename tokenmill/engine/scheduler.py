@@ -14,10 +14,9 @@ from collections import deque
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from tokenmill.engine.scheduler_output import SamplingRequest, ScheduledSequence, SchedulerOutput
 from tokenmill.errors import RequestTooLongError
-from tokenmill.layers.sampler import SampledToken, SamplingSpec
-from tokenmill.outputs import Logprob
+from tokenmill.outputs import Logprob, SampledToken
 
 
 class Scheduler:
@@ -105,12 +104,10 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens
         sampling = None
-        if samples:
-            params = request.sampling_params
-            stop_ids = list(request.eos_token_ids) + params.stop_token_ids if params.min_tokens else []
-            sampling = SamplingSpec(params, request.seed, request.prompt_token_ids, request.output_token_ids, stop_ids)
+        if start + num_new == request.num_tokens:  # the step reaches the sequence's end: sample its next token
+            sampling = SamplingRequest(request.sampling_params, request.seed, request.prompt_token_ids,
+                                       request.output_token_ids, request.stop_token_ids)
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
@@ -152,13 +149,10 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token_id
-                return
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
+        if token_id in request.stop_token_ids and params.may_stop_at(request.num_output_tokens):
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None  # None: EOS
+            return
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH
 

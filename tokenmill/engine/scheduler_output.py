@@ -1,10 +1,21 @@
-"""The boundary between scheduler and model runner: what to compute in one step."""
+"""The boundary between scheduler and model runner: what to compute and sample in one step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.layers.sampler import SamplingSpec
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRequest:
+    """What to sample for a sequence that reaches its last known token this step."""
+
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far
+    stop_token_ids: frozenset[int]  # tokens that end the sequence (stop_token_ids, and EOS unless ignored)
 
 
 @dataclass
@@ -15,7 +26,7 @@ class ScheduledSequence:
     token_ids: list[int]  # tokens to compute now
     num_computed_tokens: int  # tokens already in the KV cache before them
     block_ids: list[int]  # the sequence's block table
-    sampling: SamplingSpec | None  # set when this step reaches the end of the sequence
+    sampling: SamplingRequest | None  # set when this step reaches the end of the sequence
 
 
 @dataclass

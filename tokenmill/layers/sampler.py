@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, logit bias, min_tokens, temperature, top-k/top-p/min-p,
+"""Batched sampling: penalties, logit bias, banned tokens, temperature, top-k/top-p/min-p,
 greedy and seeded random sampling, logprobs.
 
 Random draws come from a counter-based hash of (request seed, output index, token id),
@@ -8,10 +8,11 @@ in the batch, and never on whether it was preempted and recomputed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.outputs import SampledToken
 from tokenmill.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -25,15 +26,7 @@ class SamplingSpec:
     seed: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    min_tokens_stop_ids: list[int]  # masked while fewer than min_tokens were generated
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    rank: int | None = None
-    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    banned_token_ids: list[int] = field(default_factory=list)  # never sampled (stop tokens before min_tokens)
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -84,17 +77,16 @@ def _apply_penalties(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.T
     return logits - column([s.params.presence_penalty for s in specs]) * (counts > 0)
 
 
-def _apply_logit_bias_and_min_tokens(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+def _apply_logit_bias_and_bans(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
     rows, cols, values = [], [], []
     vocab = logits.shape[1]
     for i, s in enumerate(specs):
         for token_id, bias in (s.params.logit_bias or {}).items():
             if 0 <= token_id < vocab:
                 rows.append(i), cols.append(token_id), values.append(bias)
-        if len(s.output_token_ids) < s.params.min_tokens:
-            for token_id in s.min_tokens_stop_ids:
-                if 0 <= token_id < vocab:
-                    rows.append(i), cols.append(token_id), values.append(float("-inf"))
+        for token_id in s.banned_token_ids:
+            if 0 <= token_id < vocab:
+                rows.append(i), cols.append(token_id), values.append(float("-inf"))
     if rows:
         index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
         logits = logits.index_put(index, torch.tensor(values, device=logits.device), accumulate=True)
@@ -128,7 +120,7 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[SampledToken
     max_logprobs = max((s.params.logprobs for s in specs if s.params.logprobs is not None), default=None)
     raw_logprobs = logits.log_softmax(dim=-1) if max_logprobs is not None else None
 
-    logits = _apply_logit_bias_and_min_tokens(logits, specs)
+    logits = _apply_logit_bias_and_bans(logits, specs)
     if any(s.params.has_penalties for s in specs):
         logits = _apply_penalties(logits, specs)
 

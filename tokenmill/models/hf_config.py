@@ -28,10 +28,22 @@ def _as_list(value: int | list[int] | None) -> list[int]:
 
 
 def load_hf_config(model_dir: Path) -> ModelConfig:
+    """The ModelConfig of an HF model directory (config.json, plus generation_config.json's EOS ids)."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{model_dir} has no config.json")
-    cfg = _read_json(path)
+    gen_path = model_dir / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.is_file() else None
+    return parse_hf_config(_read_json(path), path, generation)
+
+
+def load_hf_config_file(path: Path) -> ModelConfig:
+    """The ModelConfig of a config.json file on its own (any name)."""
+    return parse_hf_config(_read_json(path), path)
+
+
+def parse_hf_config(cfg: dict, path: Path, generation: dict | None = None) -> ModelConfig:
+    """A config.json's contents -> ModelConfig; `path` names the file in errors."""
     archs = cfg.get("architectures") or [cfg.get("model_type")]
     arch = resolve_architecture(archs[0])
     if cfg.get("hidden_act", "silu") != "silu":
@@ -45,9 +57,8 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
         rope_scaling = rope_params
     eos = _as_list(cfg.get("eos_token_id"))
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.is_file():
-        eos += [t for t in _as_list(_read_json(gen_path).get("eos_token_id")) if t not in eos]
+    if generation is not None:
+        eos += [t for t in _as_list(generation.get("eos_token_id")) if t not in eos]
     sliding_window = cfg.get("sliding_window")
     if arch == "qwen2" and not cfg.get("use_sliding_window", False):
         sliding_window = None

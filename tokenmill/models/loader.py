@@ -12,12 +12,13 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
 from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
+from tokenmill.layers.parallel import Communicator
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
-from tokenmill.models.hf_config import load_hf_config
+from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.models.safetensors_loader import iter_safetensors
-from tokenmill.parallel.sharding import Communicator, shard_config, shard_weights, wrap_parallel
+from tokenmill.models.sharding import shard_config, shard_weights, wrap_parallel
 from tokenmill.platform import available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -55,11 +56,26 @@ def default_model_path() -> Path:
     raise DefaultModelMissingError(f"{DEFAULT_MODEL_FILE} is missing from {DEFAULT_MODEL_PACKAGE}; reinstall: {DEFAULT_MODEL_INSTALL}")
 
 
-def resolve_model_path(model: str | None) -> Path:
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The model's local path (None: the default model); hubs are never reached."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist (hubs are not reached: give a local directory or .gguf file)")
+        raise ModelLoadError(
+            f"model path {str(path)!r} does not exist (hubs are not reached: give a local directory or .gguf file)")
     return path
+
+
+def load_model_config(model: str | Path | None) -> ModelConfig:
+    """The ModelConfig of an HF directory, a config.json, a .gguf file or the default model;
+    no weights are read."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return load_hf_config(path)
+    if path.suffix == ".gguf":
+        return GGUFFile(path).model_config()
+    if path.suffix == ".json":
+        return load_hf_config(path.parent) if path.name == "config.json" else load_hf_config_file(path)
+    raise ModelLoadError(f"{path.name}: expected an HF model directory, a config.json or a .gguf file")
 
 
 def load_tokenizer(path: Path):

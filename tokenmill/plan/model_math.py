@@ -3,40 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from tokenmill.config import ModelConfig
-from tokenmill.errors import InvalidParameterError, ModelLoadError
+from tokenmill.errors import InvalidParameterError
 
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 # Weight-only quantization: bytes per weight including one fp16 scale per group of 32 (int8) / 64 (int4).
 QUANT_BYTES = {"int8": 1.0 + 2 / 32, "int4": 0.5 + 2 / 64}
-
-
-def load_model_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of an HF directory, its config.json, or a .gguf file; no weights are read."""
-    from tokenmill.models.gguf_loader import GGUFFile
-    from tokenmill.models.hf_config import load_hf_config
-
-    path = Path(path).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return GGUFFile(path).model_config()
-    if path.is_file() and path.suffix == ".json":
-        return load_hf_config(path.parent) if path.name == "config.json" else _config_from_json_file(path)
-    if path.is_dir():
-        return load_hf_config(path)
-    raise ModelLoadError(f"{path}: expected an HF model directory, a config.json or a .gguf file")
-
-
-def _config_from_json_file(path: Path) -> ModelConfig:
-    import shutil
-    import tempfile
-
-    from tokenmill.models.hf_config import load_hf_config
-
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(path, Path(tmp) / "config.json")
-        return load_hf_config(Path(tmp))
 
 
 @dataclass(frozen=True)
@@ -51,9 +24,9 @@ class ModelMath:
         q = c.num_attention_heads * c.head_dim
         kv = c.num_key_value_heads * c.head_dim
         attention = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
-        if c.attention_bias or c.architecture == "qwen2":  # Qwen2 always has q/k/v biases
+        if c.has_qkv_bias:
             attention += q + 2 * kv
-        if c.attention_bias and c.architecture != "qwen2":
+        if c.has_o_bias:
             attention += c.hidden_size
         mlp = 3 * c.hidden_size * c.intermediate_size
         norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)

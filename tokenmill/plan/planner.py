@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from tokenmill.config import DEFAULT_BLOCK_SIZE
+from tokenmill.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_FRACTION
 from tokenmill.errors import InvalidParameterError
 from tokenmill.plan.hardware import Accelerator
 from tokenmill.plan.model_math import ModelMath
 
 HOURS_PER_MONTH = 730.0
-GPU_KV_FRACTION = 0.8  # of the memory left after weights, as the engine takes on CUDA
-CPU_KV_FRACTION = 0.05  # of the available memory, as the engine takes on CPU by default
+CPU_KV_FRACTION = DEFAULT_KV_CACHE_FRACTION["cpu"]  # of the available memory
+GPU_KV_FRACTION = DEFAULT_KV_CACHE_FRACTION["cuda"]  # of the memory left after the weights
 # Share of the roofline engines reach: tokenmill on CPU measured 0.55 (W2) and 0.30 (batch-1 decode);
 # GPU engines commonly reach 0.6-0.7 of the memory roof when decoding.
 CPU_EFFICIENCY = 0.5

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from tokenmill.plan.hardware import Accelerator, lookup
-from tokenmill.plan.model_math import ModelMath, load_model_config
+from tokenmill.plan.model_math import ModelMath
 from tokenmill.plan.planner import (
     CPU_EFFICIENCY, CPU_KV_FRACTION, GPU_EFFICIENCY, PlanInputs, batch_run_seconds, make_plan,
 )
@@ -38,9 +38,9 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.models.loader import default_model_path
+    from tokenmill.models.loader import load_model_config, resolve_model_path
 
-    model_path = args.model or default_model_path()
+    model_path = resolve_model_path(args.model)
     model = ModelMath(load_model_config(model_path))
     accelerator = _accelerator(args)
     kv_memory = None if args.kv_memory_gb is None else args.kv_memory_gb * 1e9

@@ -1,25 +1,16 @@
-"""ModelRunner: the only place a SchedulerOutput becomes tensors, logits and tokens."""
+"""ModelRunner: the only place a step becomes tensors, logits and sampled tokens."""
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.config import ModelConfig
-from tokenmill.engine.scheduler_output import SchedulerOutput
-from tokenmill.layers.attention import (
-    AttentionBackend,
-    AttentionContext,
-    CacheGeometry,
-    build_attention_metadata,
-)
+from tokenmill.engine.scheduler_output import SamplingRequest, SchedulerOutput
+from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry, build_attention_metadata
 from tokenmill.layers.cpu_attention import default_attention_backend
-from tokenmill.layers.sampler import SampledToken, sample
+from tokenmill.layers.sampler import SamplingSpec, sample
 from tokenmill.models.llama import DecoderForCausalLM
-
-
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
-    return int(config.kv_bytes_per_token(torch.tensor([], dtype=dtype).element_size())) * block_size
+from tokenmill.outputs import SampledToken
+from tokenmill.worker.forward_input import ForwardInput
 
 
 class ModelRunner:
@@ -55,32 +46,44 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
         """Run one step; returns one sampled token per sequence that samples, in order."""
-        logits = self.forward(scheduler_output)
-        if logits is None:
-            return []
-        return sample(logits, [s.sampling for s in scheduler_output.sequences if s.sampling is not None])
+        return self.sample(scheduler_output, self.forward(ForwardInput.from_scheduler_output(scheduler_output)))
 
     @torch.inference_mode()
-    def forward(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
-        """The forward pass: writes the new K/V; returns float32 logits [num_samples, vocab] of the
-        sequences that sample this step (their last new token), or None if none does."""
-        seqs = scheduler_output.sequences
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
+    def forward(self, batch: ForwardInput) -> torch.Tensor | None:
+        """The forward pass: writes the new K/V; returns float32 logits [num_logits, vocab] of the
+        sequences that need them (their last new token), or None if none does."""
+        input_ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.int64, device=self.device)
         metadata = build_attention_metadata(
-            query_lens=[len(s.token_ids) for s in seqs],
-            context_lens=[s.num_computed_tokens for s in seqs],
-            block_tables=[s.block_ids for s in seqs],
+            query_lens=[len(ids) for ids in batch.token_ids],
+            context_lens=batch.num_computed_tokens,
+            block_tables=batch.block_tables,
             geometry=self.geometry,
         )
         ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
         hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
 
-        sample_rows, end = [], 0
-        for s in seqs:
-            end += len(s.token_ids)
-            if s.sampling is not None:
-                sample_rows.append(end - 1)
-        if not sample_rows:
+        logits_rows, end = [], 0
+        for ids, needs_logits in zip(batch.token_ids, batch.needs_logits):
+            end += len(ids)
+            if needs_logits:
+                logits_rows.append(end - 1)
+        if not logits_rows:
             return None
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))  # [num_samples, vocab]
+        rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))  # [num_logits, vocab]
+
+    @torch.inference_mode()
+    def sample(self, scheduler_output: SchedulerOutput, logits: torch.Tensor | None) -> list[SampledToken]:
+        """One token for each sequence that samples, from its row of `logits`."""
+        if logits is None:
+            return []
+        return sample(logits, [sampling_spec(s.sampling) for s in scheduler_output.sequences
+                                      if s.sampling is not None])
+
+
+def sampling_spec(request: SamplingRequest) -> SamplingSpec:
+    """The sampler's view of one sequence: min_tokens bans its stop tokens until it may stop."""
+    params = request.params
+    may_stop = params.may_stop_at(len(request.output_token_ids) + 1)
+    banned = [] if may_stop else sorted(request.stop_token_ids)
+    return SamplingSpec(params, request.seed, request.prompt_token_ids, request.output_token_ids, banned)

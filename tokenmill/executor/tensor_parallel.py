@@ -1,10 +1,9 @@
 """Tensor-parallel execution: rank 0 (the engine's process) plus N-1 worker processes.
 
-The scheduler runs once, on rank 0. Each step, rank 0 broadcasts a JSON description of the
-scheduled sequences (token ids, cached lengths, block tables, which rows need logits) over the
-process group; every rank runs the same forward on its shard, meeting at the all-reduces; only
-rank 0 samples. Workers are `python -m tokenmill.parallel.worker` processes that rendezvous
-through a TCPStore on 127.0.0.1; no Python objects are ever unpickled from the wire.
+The scheduler runs once, on rank 0. Each step, rank 0 broadcasts the step's ForwardInput as JSON
+over the process group; every rank runs the same forward on its shard, meeting at the
+all-reduces; only rank 0 samples. Workers are `python -m tokenmill.executor.tp_worker` processes
+that rendezvous through a TCPStore on 127.0.0.1; no Python objects are ever unpickled from the wire.
 """
 
 from __future__ import annotations
@@ -18,29 +17,32 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from tokenmill.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from tokenmill.config import EngineConfig
 from tokenmill.errors import EngineDeadError
-from tokenmill.layers.sampler import SampledToken
-from tokenmill.models.llama import DecoderForCausalLM
-from tokenmill.parallel.sharding import Communicator
+from tokenmill.layers.parallel import Communicator
+from tokenmill.models.loader import LoadedModel, load_model, load_model_config
+from tokenmill.models.sharding import check_divisible
+from tokenmill.outputs import SampledToken
+from tokenmill.worker.forward_input import ForwardInput
 from tokenmill.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tokenmill.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-LOGITS_ONLY = "logits"  # workers compute the logits rows (the LM head all-gathers) but never sample
+SPEC_KEY = "tokenmill/worker_spec"  # published before loading: every rank loads at once
+NUM_BLOCKS_KEY = "tokenmill/num_kv_blocks"  # published once rank 0 has sized the KV pool
 
 
 class WorkerDiedError(EngineDeadError):
     """A tensor-parallel worker process is gone; the engine cannot continue."""
-
-
-SPEC_KEY = "tokenmill/worker_spec"  # published before loading: every rank loads at once
-NUM_BLOCKS_KEY = "tokenmill/num_kv_blocks"  # published once rank 0 has sized the KV pool
 
 
 @dataclass
@@ -72,20 +74,16 @@ def make_group(store: dist.Store, rank: int, world_size: int, device: torch.devi
     return dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
 
 
-def broadcast_step(group, scheduler_output: SchedulerOutput | None) -> None:
+def broadcast_step(group, batch: ForwardInput | None) -> None:
     """Rank 0: send the step (None = stop) to every worker."""
-    if scheduler_output is None:
-        payload = b""
-    else:
-        payload = json.dumps([[s.token_ids, s.num_computed_tokens, s.block_ids, s.sampling is not None]
-                              for s in scheduler_output.sequences]).encode()
+    payload = b"" if batch is None else batch.to_json()
     length = torch.tensor([len(payload)], dtype=torch.int64)
     group.broadcast(length, 0).wait()
     if payload:
         group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0).wait()
 
 
-def receive_step(group) -> SchedulerOutput | None:
+def receive_step(group) -> ForwardInput | None:
     """Workers: the next step, or None when rank 0 stops."""
     length = torch.zeros(1, dtype=torch.int64)
     group.broadcast(length, 0).wait()
@@ -93,60 +91,73 @@ def receive_step(group) -> SchedulerOutput | None:
         return None
     payload = torch.empty(int(length), dtype=torch.uint8)
     group.broadcast(payload, 0).wait()
-    rows = json.loads(bytes(payload.numpy()).decode())
-    return SchedulerOutput([
-        ScheduledSequence("", token_ids, num_computed, block_ids, LOGITS_ONLY if needs_logits else None)
-        for token_ids, num_computed, block_ids, needs_logits in rows
-    ])
+    return ForwardInput.from_json(bytes(payload.numpy()))
 
 
 class TensorParallelExecutor:
-    """Rank 0's side: owns the worker processes and its own shard; execute() like a ModelRunner.
+    """Rank 0's side: owns the worker processes and its own shard.
 
-    Two phases: the constructor opens the store, publishes the spec and starts the workers (they
-    load their shards while rank 0 loads its own through `self.comm`); start() then publishes the
-    KV pool size, connects the process group and builds rank 0's runner.
+    The constructor checks the split, opens the store, publishes the spec and starts the workers
+    (they load their shards while rank 0 loads its own in load_model()); init_kv_cache() then
+    publishes the KV pool size, connects the process group and builds rank 0's runner.
     """
 
-    def __init__(self, spec: WorkerSpec, rendezvous: Rendezvous) -> None:
-        world = rendezvous.world_size
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+        world = config.tensor_parallel_size
+        check_divisible(load_model_config(config.model), world)  # before any process starts
+        self.config, self.device, self.dtype = config, device, dtype
         self.world_size = world
-        self.spec = spec
-        self.rendezvous = rendezvous
+        self.spec = WorkerSpec(
+            model=config.model, dtype=str(dtype).removeprefix("torch."), device=config.device,
+            max_model_len=config.scheduler.max_model_len, block_size=config.cache.block_size,
+            num_threads=torch.get_num_threads(),
+        )
+        rendezvous = config.rendezvous or Rendezvous("127.0.0.1", free_port(), world)
         self.comm = Communicator(0, world)
         self.workers: list[subprocess.Popen] = []
+        self.runner: ModelRunner | None = None
         self._stopped = False
         self.store = dist.TCPStore(rendezvous.host, rendezvous.port, world, is_master=True,
                                    timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
-        self.store.set(SPEC_KEY, json.dumps(asdict(spec)))
+        self.store.set(SPEC_KEY, json.dumps(asdict(self.spec)))
         if rendezvous.spawn_workers:
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
             for rank in range(1, world):
                 self.workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "tokenmill.parallel.worker", rendezvous.host, str(rendezvous.port),
+                    [sys.executable, "-m", "tokenmill.executor.tp_worker", rendezvous.host, str(rendezvous.port),
                      str(rank), str(world)], env=env))
         atexit.register(self.shutdown)  # never leave workers behind, even without LLM.close()
 
-    def start(self, model: DecoderForCausalLM, num_blocks: int, device: torch.device, dtype: torch.dtype) -> None:
+    def load_model(self) -> LoadedModel:
+        try:
+            self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.scheduler.max_model_len,
+                                     shard=self.comm)
+        except Exception:
+            self.shutdown()
+            raise
+        return self.loaded
+
+    def init_kv_cache(self, num_blocks: int) -> None:
         self.store.set(NUM_BLOCKS_KEY, str(num_blocks))
         try:
-            self.comm.group = make_group(self.store, 0, self.world_size, device)
+            self.comm.group = make_group(self.store, 0, self.world_size, self.device)
         except Exception as exc:
             self.shutdown()
             raise WorkerDiedError(f"tensor-parallel workers did not join: {exc}") from exc
-        self.model = model
-        self.runner = ModelRunner(model, num_blocks, self.spec.block_size, device, dtype)
+        self.runner = ModelRunner(self.loaded.model, num_blocks, self.spec.block_size, self.device, self.dtype)
 
     def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
-        self.check_workers()
+        self.check_health()
+        batch = ForwardInput.from_scheduler_output(scheduler_output)
         try:
-            broadcast_step(self.comm.group, scheduler_output)
-            return self.runner.execute(scheduler_output)
+            broadcast_step(self.comm.group, batch)
+            logits = self.runner.forward(batch)
         except RuntimeError as exc:  # a collective failed: most likely a worker is gone
-            self.check_workers()
+            self.check_health()
             raise WorkerDiedError(f"tensor-parallel step failed: {exc}") from exc
+        return self.runner.sample(scheduler_output, logits)
 
-    def check_workers(self) -> None:
+    def check_health(self) -> None:
         for rank, worker in enumerate(self.workers, start=1):
             code = worker.poll()
             if code is not None:

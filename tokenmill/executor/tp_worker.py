@@ -1,4 +1,4 @@
-"""A tensor-parallel worker: `python -m tokenmill.parallel.worker HOST PORT RANK WORLD_SIZE`
+"""A tensor-parallel worker: `python -m tokenmill.executor.tp_worker HOST PORT RANK WORLD_SIZE`
 (spawned by rank 0), or any rank > 0 of a torchrun launch (see tokenmill.cli).
 
 Reads the WorkerSpec rank 0 published in the store, joins the process group, loads the model and
@@ -16,15 +16,16 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.errors import TokenmillError
-from tokenmill.models.loader import load_model
-from tokenmill.parallel.executor import (
+from tokenmill.executor.tensor_parallel import (
     COLLECTIVE_TIMEOUT, NUM_BLOCKS_KEY, SPEC_KEY, WorkerSpec, make_group, receive_step,
 )
-from tokenmill.parallel.sharding import Communicator
+from tokenmill.layers.parallel import Communicator
+from tokenmill.models.loader import load_model
 from tokenmill.platform import resolve_device, resolve_dtype
+from tokenmill.worker.forward_input import MalformedStepError
 from tokenmill.worker.model_runner import ModelRunner
 
-logger = logging.getLogger("tokenmill.parallel.worker")
+logger = logging.getLogger("tokenmill.executor.tp_worker")
 
 
 def run(host: str, port: int, rank: int, world_size: int) -> None:
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except TokenmillError as exc:
         logger.error("worker %s: %s", rank, exc.message)
         return 2
+    except MalformedStepError as exc:  # never run a step we cannot read
+        logger.error("worker %s stopping: %s", rank, exc)
+        return 1
     except RuntimeError as exc:  # rank 0 went away mid-collective: nothing left to serve
         logger.warning("worker %s stopping: %s", rank, exc)
         return 1
