@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention, build_attention_metadata
+from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
 from tokenmill.layers.cpu_attention import (
     CpuPagedAttention,
     default_attention_backend,
@@ -64,7 +64,7 @@ class Scenario:
         num_blocks = sum(counts) + 5
         order = torch.randperm(num_blocks, generator=gen).tolist()
         self.tables = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
-        self.geometry = CacheGeometry(block_size, num_blocks, num_kv_heads, groups, dtype, torch.device("cpu"))
+        self.geometry = CacheGeometry(block_size, num_blocks, num_kv_heads, groups, head_dim, dtype, torch.device("cpu"))
         self.cache_shape = (num_kv_heads, num_blocks, block_size, head_dim)
 
     def run(self, backend, steps):
@@ -75,7 +75,7 @@ class Scenario:
         outputs = []
         for step in steps:
             spans = [(i, done[i], done[i] + n) for i, n in step]
-            metadata = build_attention_metadata(
+            metadata = backend.build_metadata(
                 [n for _, n in step], [done[i] for i, _ in step], [self.tables[i] for i, _ in step], self.geometry
             )
             q, k, v = (torch.cat([t[i][a:b] for i, a, b in spans]) for t in (self.q, self.k, self.v))

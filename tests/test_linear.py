@@ -23,7 +23,7 @@ def _weights(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 64])  # ATen's GEMV for 1-2 rows, oneDNN above
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 64])  # ATen's GEMV for one row, oneDNN above
 def test_packed_linear_matches_float32(num_rows):
     weight, bias = _weights(96, 64), _weights(1, 96, seed=1)[0]
     x = _weights(num_rows, 64, seed=2) * 20
@@ -33,7 +33,7 @@ def test_packed_linear_matches_float32(num_rows):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("num_rows", [2, 5, 64])
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 64])
 def test_gate_up_silu_and_mul_matches_float32(num_rows):
     weight = _weights(2 * 80, 64)
     x = _weights(num_rows, 64, seed=3) * 20

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.attention import AttentionContext, CacheGeometry, TorchPagedAttention, build_attention_metadata
+from tokenmill.layers.attention import AttentionContext, CacheGeometry, TorchPagedAttention
 from tokenmill.models.loader import load_model
 
 from conftest import TINY_ARCHS
@@ -44,13 +44,14 @@ def _our_logits(loaded, prompts_ids: list[list[int]], split: int | None = None) 
     per_prompt: list[list[torch.Tensor]] = [[] for _ in prompts_ids]
     for round_ in range(len(chunks[0])):
         batch = [chunks[i][round_] for i in range(len(prompts_ids))]
-        metadata = build_attention_metadata(
+        backend = TorchPagedAttention()
+        metadata = backend.build_metadata(
             query_lens=[len(ids) for _, ids in batch], context_lens=[start for start, _ in batch],
             block_tables=tables,
-            geometry=CacheGeometry(block_size, num_blocks, config.num_key_value_heads, config.num_query_groups, dtype,
-                                   torch.device("cpu")),
+            geometry=CacheGeometry(block_size, num_blocks, config.num_key_value_heads, config.num_query_groups,
+                                   config.head_dim, dtype, torch.device("cpu")),
         )
-        ctx = AttentionContext(TorchPagedAttention(), metadata, kv_caches)
+        ctx = AttentionContext(backend, metadata, kv_caches)
         with torch.inference_mode():
             input_ids = torch.tensor([t for _, ids in batch for t in ids])
             logits = loaded.model.compute_logits(loaded.model(input_ids, metadata.positions, ctx))

@@ -10,8 +10,8 @@ Cache layout per layer: [num_kv_heads, num_blocks, block_size, head_dim] for K a
 KV heads outermost, gathering a bucket's blocks with one index_select yields keys already laid
 out as [kv_heads * batch, context, head_dim], ready for batched matmuls without a transpose copy.
 
-The metadata is built once per step and shared by all layers. A backend only has to implement
-`forward`; faster kernels can replace `TorchPagedAttention`.
+A backend builds the step's metadata once (what its own kernels read, nothing more) and runs
+`forward` for every layer with it; faster kernels can replace parts of `TorchPagedAttention`.
 """
 
 from __future__ import annotations
@@ -23,141 +23,139 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass
-class AttentionBucket:
-    """Sequences padded to a common query length and a common context length."""
-
-    is_decode: bool  # every query length is 1
-    covers_batch: bool  # the bucket is the whole step, in order: no gather/scatter of queries needed
-    query_index: torch.Tensor  # [B, Q] flat index of each query token (padding -> 0)
-    token_index: torch.Tensor  # [num_valid] flat index of each real query, in row-major (b, i) order
-    valid: torch.Tensor  # [B, Q] bool, real query tokens
-    gather_index: torch.Tensor  # [kv_heads * B * max_blocks] rows of the cache viewed as [kv_heads * num_blocks, -1]
-    context_len: int  # max_blocks * block_size
-    block_table: torch.Tensor  # [B, max_blocks] int64, each sequence's blocks (padded with its first)
-    seq_lens: torch.Tensor  # [B] int64, cached + new tokens of each sequence
-    # decode only: for embedding_bag over the value cache viewed as [kv_heads * num_slots, head_dim],
-    # the row of every (kv head, sequence, query group, context position), and each bag's start
-    value_index: torch.Tensor | None
-    value_offsets: torch.Tensor | None
-    attn_mask: torch.Tensor  # additive; decode: [kv_heads * B, 1, L], prefill: [1, B, Q * groups, L]
-
-
 @dataclass(frozen=True)
 class CacheGeometry:
-    """What the metadata builder needs to know about the paged KV cache and the model."""
+    """What the metadata builders need to know about the paged KV cache and the model."""
 
     block_size: int
     num_blocks: int
     num_kv_heads: int
     num_query_groups: int  # query heads per KV head
+    head_dim: int
     dtype: torch.dtype
     device: torch.device
 
 
 @dataclass
+class PrefillBucket:
+    """Prefill chunks padded to a common query length Q and context length L (B sequences)."""
+
+    token_index: torch.Tensor  # [num_valid] flat index of each real query token, in row-major (b, i) order
+    query_index: torch.Tensor  # [B, Q] flat index of each query token (padding -> 0)
+    valid: torch.Tensor  # [B, Q] bool, real query tokens
+    gather_index: torch.Tensor  # [kv_heads * B * max_blocks] rows of the cache viewed as [kv_heads * num_blocks, -1]
+    context_len: int  # L = max_blocks * block_size
+    attn_mask: torch.Tensor  # [1, B, Q * groups, L] additive: causal within the chunk, nothing past the sequence
+
+
+@dataclass
+class DecodeBucket:
+    """One query per sequence, for the PyTorch decode path (B sequences, context padded to L)."""
+
+    token_index: torch.Tensor  # [B] flat index of each sequence's query token
+    covers_batch: bool  # the bucket is the whole step, in order: no gather/scatter of queries needed
+    gather_index: torch.Tensor  # [kv_heads * B * max_blocks] rows of the cache viewed as [kv_heads * num_blocks, -1]
+    context_len: int  # L = max_blocks * block_size
+    attn_mask: torch.Tensor  # [kv_heads * B, 1, L] additive: nothing past each sequence's length
+    # embedding_bag over the value cache viewed as [kv_heads * num_slots, head_dim]: the row of every
+    # (kv head, sequence, query group, context position) [kv_heads * B * groups * L], and each bag's start
+    value_index: torch.Tensor
+    value_offsets: torch.Tensor  # [kv_heads * B * groups]
+
+
+@dataclass
 class AttentionMetadata:
-    """What every attention layer needs for one step."""
+    """What every attention layer of one step reads; built once per step by the backend."""
 
     positions: torch.Tensor  # [T] position of each new token in its sequence
     write_index: torch.Tensor  # [kv_heads * T] rows of the cache viewed as [kv_heads * num_slots, head_dim]
-    buckets: list[AttentionBucket]
-    num_tokens: int
+    num_tokens: int  # T
+    decode: object | None  # the backend's decode bucket (sequences with one new token), if any
+    prefill: PrefillBucket | None  # sequences with several new tokens, if any
 
 
-def build_attention_metadata(
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    geometry: CacheGeometry,
-) -> AttentionMetadata:
-    """Metadata for sequences whose new tokens lie back to back in the flat batch.
+@dataclass
+class StepLayout:
+    """The step's sequences as tensors (on the CPU): the common ground of every backend's metadata.
 
-    query_lens[i] new tokens follow context_lens[i] tokens already in the cache.
+    Sequence i has query_lens[i] new tokens after context_lens[i] cached ones; its new tokens lie
+    back to back in the flat batch from query_starts[i].
     """
-    block_size = geometry.block_size
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
-    num_tokens = int(q_lens.sum())
-    query_starts = torch.cumsum(q_lens, 0) - q_lens
-    seq_ids = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-    positions = torch.arange(num_tokens) - query_starts[seq_ids] + ctx_lens[seq_ids]
-    max_blocks = max(len(t) for t in block_tables)
-    table = torch.tensor([t + [t[0]] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64)
-    slots = table[seq_ids, positions // block_size] * block_size + positions % block_size
-    head_offsets = torch.arange(geometry.num_kv_heads)[:, None]
-    write_index = (head_offsets * (geometry.num_blocks * block_size) + slots[None, :]).flatten()
 
-    is_decode = q_lens == 1
-    buckets = []
-    for decode, members in ((True, torch.nonzero(is_decode).flatten()), (False, torch.nonzero(~is_decode).flatten())):
-        if len(members):
-            buckets.append(_build_bucket(decode, members, q_lens, ctx_lens, query_starts, table, geometry))
-    device = geometry.device
-    return AttentionMetadata(
-        positions=positions.to(device), write_index=write_index.to(device), buckets=buckets, num_tokens=num_tokens
-    )
+    query_lens: torch.Tensor  # [S] int64
+    context_lens: torch.Tensor  # [S] int64
+    query_starts: torch.Tensor  # [S] int64
+    block_table: torch.Tensor  # [S, max_blocks] int64, each padded with its first block
+    positions: torch.Tensor  # [T]
+    write_index: torch.Tensor  # [kv_heads * T]
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              geometry: CacheGeometry) -> StepLayout:
+        block_size = geometry.block_size
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
+        query_starts = torch.cumsum(q_lens, 0) - q_lens
+        seq_ids = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)  # [T]
+        positions = torch.arange(int(q_lens.sum())) - query_starts[seq_ids] + ctx_lens[seq_ids]
+        max_blocks = max(len(t) for t in block_tables)
+        table = torch.tensor([t + [t[0]] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int64)
+        slots = table[seq_ids, positions // block_size] * block_size + positions % block_size  # [T]
+        head_offsets = torch.arange(geometry.num_kv_heads)[:, None] * (geometry.num_blocks * block_size)
+        write_index = (head_offsets + slots[None, :]).flatten()
+        return cls(q_lens, ctx_lens, query_starts, table, positions, write_index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+    def members(self, decode: bool) -> torch.Tensor:
+        """Indices of the decode sequences (one new token) or of the prefill chunks."""
+        is_decode = self.query_lens == 1
+        return torch.nonzero(is_decode if decode else ~is_decode).flatten()
+
+    def bucket_blocks(self, members: torch.Tensor, block_size: int) -> int:
+        """Blocks that cover the longest of these sequences."""
+        seq_lens = self.query_lens[members] + self.context_lens[members]
+        return int((seq_lens.max() + block_size - 1) // block_size)
+
+    def gather_index(self, members: torch.Tensor, num_blocks: int, geometry: CacheGeometry) -> torch.Tensor:
+        """[kv_heads * B * num_blocks]: the members' first num_blocks blocks, per KV head, as rows of
+        the cache viewed as [kv_heads * blocks_in_pool, -1]."""
+        head_offsets = torch.arange(geometry.num_kv_heads)[:, None, None] * geometry.num_blocks
+        return (head_offsets + self.block_table[members, :num_blocks][None]).flatten()
 
 
-def _build_bucket(
-    is_decode: bool,
-    members: torch.Tensor,
-    q_lens: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    query_starts: torch.Tensor,
-    table: torch.Tensor,
-    geometry: CacheGeometry,
-) -> AttentionBucket:
-    block_size, num_blocks, num_kv_heads = geometry.block_size, geometry.num_blocks, geometry.num_kv_heads
-    device = geometry.device
-    batch = len(members)
-    b_q_lens = q_lens[members]
-    b_ctx = ctx_lens[members]
-    b_seq_lens = b_q_lens + b_ctx
-    max_q = int(b_q_lens.max())
-    bucket_blocks = int((b_seq_lens.max() + block_size - 1) // block_size)
-    context_len = bucket_blocks * block_size
+def prefill_bucket(step: StepLayout, members: torch.Tensor, geometry: CacheGeometry) -> PrefillBucket:
+    block_size, device = geometry.block_size, geometry.device
+    q_lens, ctx = step.query_lens[members], step.context_lens[members]
+    max_q = int(q_lens.max())
+    num_blocks = step.bucket_blocks(members, block_size)
+    context_len = num_blocks * block_size
     offsets = torch.arange(max_q)
-    valid = offsets[None, :] < b_q_lens[:, None]  # [B, Q]
-    query_index = torch.where(valid, query_starts[members][:, None] + offsets[None, :], 0)
-    head_offsets = torch.arange(num_kv_heads)[:, None, None] * num_blocks
-    gather_index = (head_offsets + table[members, :bucket_blocks][None]).flatten()
+    valid = offsets[None, :] < q_lens[:, None]  # [B, Q]
+    query_index = torch.where(valid, step.query_starts[members][:, None] + offsets[None, :], 0)
     # Query i of a sequence sits at position ctx + i and sees keys 0..ctx+i (and no padding).
     # Padding queries see key 0 only, so no row of the mask is empty (an empty row gives NaN).
     kv_pos = torch.arange(context_len)
-    q_pos = torch.where(valid, b_ctx[:, None] + offsets[None, :], 0)
-    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < b_seq_lens[:, None, None])
+    q_pos = torch.where(valid, ctx[:, None] + offsets[None, :], 0)
+    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < (ctx + q_lens)[:, None, None])
     bias = torch.zeros(allowed.shape, dtype=geometry.dtype).masked_fill(~allowed, float("-inf"))  # [B, Q, L]
-    value_index = value_offsets = None
-    if is_decode:  # [kv_heads * B, 1, L]
-        mask = bias[None].expand(num_kv_heads, batch, 1, context_len).reshape(num_kv_heads * batch, 1, context_len)
-        slots = table[members, :bucket_blocks].repeat_interleave(block_size, dim=1) * block_size \
-            + (kv_pos % block_size)[None, :]  # [B, L]
-        head_rows = torch.arange(num_kv_heads)[:, None, None, None] * (num_blocks * block_size)
-        groups = geometry.num_query_groups
-        value_index = (head_rows + slots[None, :, None, :]).expand(-1, -1, groups, -1).flatten()
-        value_offsets = torch.arange(num_kv_heads * batch * groups) * context_len
-        value_index, value_offsets = value_index.to(device), value_offsets.to(device)
-    else:  # [1, B, Q * groups, L]
-        mask = bias.repeat_interleave(geometry.num_query_groups, dim=1).unsqueeze(0)
-    return AttentionBucket(
-        is_decode=is_decode,
-        covers_batch=is_decode and batch == len(q_lens),
-        value_index=value_index,
-        value_offsets=value_offsets,
-        query_index=query_index.to(device),
+    return PrefillBucket(
         token_index=query_index[valid].to(device),
+        query_index=query_index.to(device),
         valid=valid.to(device),
-        gather_index=gather_index.to(device),
+        gather_index=step.gather_index(members, num_blocks, geometry).to(device),
         context_len=context_len,
-        block_table=table[members, :bucket_blocks].contiguous().to(device),
-        seq_lens=b_seq_lens.to(device),
-        attn_mask=mask.to(device),
+        attn_mask=bias.repeat_interleave(geometry.num_query_groups, dim=1).unsqueeze(0).to(device),
     )
 
 
 class AttentionBackend(Protocol):
-    """Computes attention for one layer given that layer's cache and the step metadata."""
+    """Attention for every layer of a step: builds the step's metadata once, then runs each layer."""
+
+    def build_metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                       geometry: CacheGeometry) -> AttentionMetadata: ...
 
     def forward(
         self,
@@ -181,6 +179,43 @@ class TorchPagedAttention:
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
 
+    # ---- metadata, once per step -------------------------------------------------------------
+    def build_metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                       geometry: CacheGeometry) -> AttentionMetadata:
+        step = StepLayout.build(query_lens, context_lens, block_tables, geometry)
+        decodes, prefills = step.members(decode=True), step.members(decode=False)
+        return AttentionMetadata(
+            positions=step.positions.to(geometry.device),
+            write_index=step.write_index.to(geometry.device),
+            num_tokens=step.num_tokens,
+            decode=self._decode_bucket(step, decodes, geometry) if len(decodes) else None,
+            prefill=prefill_bucket(step, prefills, geometry) if len(prefills) else None,
+        )
+
+    def _decode_bucket(self, step: StepLayout, members: torch.Tensor, geometry: CacheGeometry) -> DecodeBucket:
+        block_size, num_kv_heads, groups = geometry.block_size, geometry.num_kv_heads, geometry.num_query_groups
+        device, batch = geometry.device, len(members)
+        num_blocks = step.bucket_blocks(members, block_size)
+        context_len = num_blocks * block_size
+        seq_lens = step.query_lens[members] + step.context_lens[members]
+        kv_pos = torch.arange(context_len)
+        bias = torch.zeros(batch, context_len, dtype=geometry.dtype).masked_fill(
+            kv_pos[None, :] >= seq_lens[:, None], float("-inf"))  # [B, L]
+        slots = step.block_table[members, :num_blocks].repeat_interleave(block_size, dim=1) * block_size \
+            + (kv_pos % block_size)[None, :]  # [B, L]
+        head_rows = torch.arange(num_kv_heads)[:, None, None, None] * (geometry.num_blocks * block_size)
+        value_index = (head_rows + slots[None, :, None, :]).expand(-1, -1, groups, -1).flatten()
+        return DecodeBucket(
+            token_index=step.query_starts[members].to(device),
+            covers_batch=batch == len(step.query_lens),
+            gather_index=step.gather_index(members, num_blocks, geometry).to(device),
+            context_len=context_len,
+            attn_mask=bias.repeat(num_kv_heads, 1).unsqueeze(1).to(device),
+            value_index=value_index.to(device),
+            value_offsets=(torch.arange(num_kv_heads * batch * groups) * context_len).to(device),
+        )
+
+    # ---- every layer -------------------------------------------------------------------------
     def _gather(self, rows: torch.Tensor, index: torch.Tensor, slot: int = 0) -> torch.Tensor:
         """rows[index] written into workspace slot 0 (keys) or 1 (values)."""
         num_rows, row_size = len(index), rows.shape[1]
@@ -202,37 +237,38 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         head_dim = k_cache.shape[-1]
         num_heads = q.shape[1]
-        self._write_keys(k_cache, metadata.write_index, k.transpose(0, 1).reshape(-1, head_dim))
+        self._write_keys(k_cache, metadata, k.transpose(0, 1).reshape(-1, head_dim))
         v_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, v.transpose(0, 1).reshape(-1, head_dim))
-        buckets = metadata.buckets
-        if buckets[0].covers_batch:  # a pure decode step (the only bucket): no scatter into `out`
-            return self._decode(q, k_cache, v_cache, buckets[0], scale)
+        decode, prefill = metadata.decode, metadata.prefill
+        if decode is not None and decode.covers_batch:  # a pure decode step: no scatter into `out`
+            return self._decode(q, k_cache, v_cache, decode, scale)
         out = q.new_empty(metadata.num_tokens, num_heads * head_dim)
-        for bucket in buckets:
-            if bucket.is_decode:
-                out[bucket.token_index] = self._decode(q[bucket.query_index[:, 0]], k_cache, v_cache, bucket, scale)
-            else:
-                out[bucket.token_index] = self._prefill(q, k_cache, v_cache, bucket, scale)
+        if decode is not None:
+            out[decode.token_index] = self._decode(q[decode.token_index], k_cache, v_cache, decode, scale)
+        if prefill is not None:
+            out[prefill.token_index] = self._prefill(q, k_cache, v_cache, prefill, scale)
         return out
 
-    def _write_keys(self, k_cache: torch.Tensor, write_index: torch.Tensor, keys: torch.Tensor) -> None:
-        """keys [N, head_dim] into the cache rows write_index (of the cache viewed as [-1, head_dim])."""
-        k_cache.view(-1, keys.shape[1]).index_copy_(0, write_index, keys)
+    def _write_keys(self, k_cache: torch.Tensor, metadata: AttentionMetadata, keys: torch.Tensor) -> None:
+        """keys [kv_heads * T, head_dim] into the cache rows metadata.write_index (of the cache viewed as
+        [-1, head_dim])."""
+        k_cache.view(-1, keys.shape[1]).index_copy_(0, metadata.write_index, keys)
 
-    def _gather_keys(self, k_cache: torch.Tensor, bucket: AttentionBucket) -> torch.Tensor:
-        """The bucket's keys as [kv_heads, B, context, head_dim] (a workspace view)."""
+    def _gather_keys(self, k_cache: torch.Tensor, gather_index: torch.Tensor, context_len: int) -> torch.Tensor:
+        """The blocks of gather_index as keys [kv_heads, B, context_len, head_dim] (a workspace view)."""
         num_kv_heads, num_blocks, _, head_dim = k_cache.shape
-        keys = self._gather(k_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index)
-        return keys.view(num_kv_heads, -1, bucket.context_len, head_dim)
+        keys = self._gather(k_cache.view(num_kv_heads * num_blocks, -1), gather_index)
+        return keys.view(num_kv_heads, -1, context_len, head_dim)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: AttentionBucket,
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
                 scale: float) -> torch.Tensor:
         """q: [B, num_heads, head_dim], one query per sequence -> [B, num_heads * head_dim]."""
         num_kv_heads, _, _, head_dim = k_cache.shape
         batch, groups = q.shape[0], q.shape[1] // num_kv_heads
         queries = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
         queries = queries.reshape(num_kv_heads * batch, groups, head_dim)  # [kv_heads * B, groups, head_dim]
-        keys = self._gather_keys(k_cache, bucket).view(num_kv_heads * batch, bucket.context_len, head_dim)
+        keys = self._gather_keys(k_cache, bucket.gather_index, bucket.context_len)
+        keys = keys.view(num_kv_heads * batch, bucket.context_len, head_dim)
         scores = torch.baddbmm(bucket.attn_mask, queries, keys.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         # probs @ values without gathering the values: a weighted sum of cache rows per bag
@@ -240,7 +276,7 @@ class TorchPagedAttention:
                                mode="sum", per_sample_weights=probs.view(-1))  # [kv_heads * B * groups, head_dim]
         return attn.view(num_kv_heads, batch, groups * head_dim).transpose(0, 1).reshape(batch, -1)
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: AttentionBucket,
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: PrefillBucket,
                  scale: float) -> torch.Tensor:
         """Queries of the bucket's chunks (taken from the flat q) -> [num_valid, num_heads * head_dim]."""
         num_kv_heads, num_blocks, _, head_dim = k_cache.shape
@@ -249,7 +285,7 @@ class TorchPagedAttention:
         groups = num_heads // num_kv_heads
         # keys/values: [kv_heads, B, L, head_dim], contiguous
         shape = (num_kv_heads, batch, bucket.context_len, head_dim)
-        keys = self._gather_keys(k_cache, bucket)
+        keys = self._gather_keys(k_cache, bucket.gather_index, bucket.context_len)
         values = self._gather(v_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index, slot=1).view(shape)
         # queries: [kv_heads, B, Q * groups, head_dim]; SDPA sees kv_heads as batch, B as heads
         queries = q[bucket.query_index].view(batch, max_q, num_kv_heads, groups, head_dim)

@@ -17,11 +17,14 @@ import hashlib
 import logging
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tokenmill.layers.attention import AttentionBackend, AttentionBucket, TorchPagedAttention
+from tokenmill.layers.attention import (
+    AttentionBackend, AttentionMetadata, CacheGeometry, StepLayout, TorchPagedAttention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,24 @@ def kernel_supports(head_dim: int, num_query_groups: int, dtype: torch.dtype) ->
     )
 
 
+@dataclass
+class KernelDecodeBucket:
+    """One query per sequence, for the kernel: it reads the cache in place through the block table."""
+
+    token_index: torch.Tensor  # [B] flat index of each sequence's query token
+    covers_batch: bool  # the bucket is the whole step, in order
+    block_table: torch.Tensor  # [B, max_blocks] int64, each sequence's blocks (padded with its first)
+    seq_lens: torch.Tensor  # [B] int64, cached + new tokens
+    context_len: int  # max_blocks * block_size: the width of the scores
+
+
+@dataclass
+class CpuAttentionMetadata(AttentionMetadata):
+    # [kv_heads * T * head_dim / 2]: where each dimension pair of each new key goes, as elements of
+    # the key cache viewed as one pair per element (the column layout below)
+    key_write_index: torch.Tensor
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """TorchPagedAttention with decode buckets computed by the C++ kernel.
 
@@ -82,34 +103,39 @@ class CpuPagedAttention(TorchPagedAttention):
     Values keep PyTorch's row layout.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._pair_index: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    def build_metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                       geometry: CacheGeometry) -> CpuAttentionMetadata:
+        common = super().build_metadata(query_lens, context_lens, block_tables, geometry)
+        block_size, half = geometry.block_size, geometry.head_dim // 2
+        write_index = common.write_index
+        block_rows, offsets = write_index // block_size, write_index % block_size
+        pairs = torch.arange(half, device=write_index.device) * block_size
+        key_write_index = ((block_rows * (half * block_size) + offsets)[:, None] + pairs[None, :]).flatten()
+        return CpuAttentionMetadata(**vars(common), key_write_index=key_write_index)
 
-    def _write_keys(self, k_cache: torch.Tensor, write_index: torch.Tensor, keys: torch.Tensor) -> None:
+    def _decode_bucket(self, step: StepLayout, members: torch.Tensor,
+                       geometry: CacheGeometry) -> KernelDecodeBucket:
+        num_blocks = step.bucket_blocks(members, geometry.block_size)
+        return KernelDecodeBucket(
+            token_index=step.query_starts[members],
+            covers_batch=len(members) == len(step.query_lens),
+            block_table=step.block_table[members, :num_blocks].contiguous(),
+            seq_lens=step.query_lens[members] + step.context_lens[members],
+            context_len=num_blocks * geometry.block_size,
+        )
+
+    def _write_keys(self, k_cache: torch.Tensor, metadata: CpuAttentionMetadata, keys: torch.Tensor) -> None:
         # Each (dimension pair) of a key is one element of a twice-as-wide integer view of the cache.
         pair_dtype = _PAIR_DTYPES[k_cache.element_size()]
-        index = self._pair_index_for(write_index, k_cache)
-        k_cache.view(-1).view(pair_dtype).index_copy_(0, index, keys.view(pair_dtype).flatten())
+        k_cache.view(-1).view(pair_dtype).index_copy_(0, metadata.key_write_index, keys.view(pair_dtype).flatten())
 
-    def _pair_index_for(self, write_index: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor:
-        """Where each dimension pair of each written key goes; the same for every layer of a step."""
-        cached_for, index = self._pair_index
-        if cached_for is not write_index:
-            _, _, block_size, head_dim = k_cache.shape
-            block_rows, offsets = write_index // block_size, write_index % block_size
-            pairs = torch.arange(head_dim // 2, device=write_index.device) * block_size
-            index = ((block_rows * (head_dim // 2 * block_size) + offsets)[:, None] + pairs[None, :]).flatten()
-            self._pair_index = (write_index, index)
-        return index
-
-    def _gather_keys(self, k_cache: torch.Tensor, bucket: AttentionBucket) -> torch.Tensor:
+    def _gather_keys(self, k_cache: torch.Tensor, gather_index: torch.Tensor, context_len: int) -> torch.Tensor:
         num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-        blocks = self._gather(k_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index)
+        blocks = self._gather(k_cache.view(num_kv_heads * num_blocks, -1), gather_index)
         rows = blocks.view(-1, head_dim // 2, block_size, 2).transpose(1, 2)  # [.., block_size, head_dim / 2, 2]
-        return rows.reshape(num_kv_heads, -1, bucket.context_len, head_dim)
+        return rows.reshape(num_kv_heads, -1, context_len, head_dim)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: AttentionBucket,
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: KernelDecodeBucket,
                 scale: float) -> torch.Tensor:
         """q: [B, num_heads, head_dim] -> [B, num_heads * head_dim]."""
         scores = torch.ops.tokenmill.paged_decode_qk(

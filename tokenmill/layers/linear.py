@@ -1,9 +1,10 @@
 """CPU bf16 linear layers with oneDNN-packed weights.
 
 oneDNN runs bf16 matmuls ~20% faster from its own blocked weight layout than from a plain
-row-major weight, but for one or two activation rows (single-stream decode) ATen's own
-matrix-vector kernel beats both by ~2x. CpuPackedLinear keeps the two copies and picks per
-call. Applied by swapping modules after loading, so model code stays plain nn.Linear.
+row-major weight, but for one activation row (single-stream decode) ATen's own matrix-vector
+kernel (torch.mv, which never goes through oneDNN) is as fast or faster. CpuPackedLinear keeps
+the two copies and picks per call. Applied by swapping modules after loading, so model code
+stays plain nn.Linear.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # At most this many rows go to ATen's matrix-vector kernel instead of oneDNN.
-SMALL_BATCH_ROWS = 2
+SMALL_BATCH_ROWS = 1
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -27,7 +28,7 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class CpuPackedLinear(nn.Module):
-    """y = x @ W.T + b with W held plain (for 1-2 rows) and oneDNN-packed (for more)."""
+    """y = x @ W.T + b with W held plain (for one row) and oneDNN-packed (for more)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int = 64) -> None:
         super().__init__()
@@ -37,12 +38,8 @@ class CpuPackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= SMALL_BATCH_ROWS:
-            previous = torch.backends.mkldnn.enabled
-            torch.backends.mkldnn.enabled = False  # route to ATen's own GEMV
-            try:
-                return F.linear(x, self.weight, self.bias)
-            finally:
-                torch.backends.mkldnn.enabled = previous
+            out = torch.mv(self.weight, x[0])
+            return (out if self.bias is None else out + self.bias).unsqueeze(0)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.scheduler_output import SamplingRequest, SchedulerOutput
-from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry, build_attention_metadata
+from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry
 from tokenmill.layers.cpu_attention import default_attention_backend
 from tokenmill.layers.sampler import SamplingSpec, sample
 from tokenmill.models.llama import DecoderForCausalLM
@@ -33,6 +33,7 @@ class ModelRunner:
             num_blocks=num_blocks,
             num_kv_heads=config.num_key_value_heads,
             num_query_groups=config.num_query_groups,
+            head_dim=config.head_dim,
             dtype=dtype,
             device=device,
         )
@@ -53,7 +54,7 @@ class ModelRunner:
         """The forward pass: writes the new K/V; returns float32 logits [num_logits, vocab] of the
         sequences that need them (their last new token), or None if none does."""
         input_ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.int64, device=self.device)
-        metadata = build_attention_metadata(
+        metadata = self.backend.build_metadata(
             query_lens=[len(ids) for ids in batch.token_ids],
             context_lens=batch.num_computed_tokens,
             block_tables=batch.block_tables,
