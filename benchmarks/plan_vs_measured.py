@@ -22,10 +22,9 @@ def main() -> None:
     import torch
 
     from tokenmill import LLM, SamplingParams
-    from tokenmill.models.loader import default_model_path
-    from tokenmill.plan.hardware import this_cpu
-    from tokenmill.models.loader import load_model_config
-    from tokenmill.plan.model_math import ModelMath
+    from tokenmill.hardware import this_cpu
+    from tokenmill.models.loader import default_model_path, load_model_config
+    from tokenmill.models.model_math import ModelMath
     from tokenmill.plan.planner import CPU_EFFICIENCY, CPU_KV_FRACTION, PlanInputs, batch_run_seconds, make_plan
     from tokenmill.platform import available_memory_bytes, resolve_dtype
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from tokenmill.engine.device_peaks import DevicePeaks
 from tokenmill.engine.metrics import CostModel, StepStats, UtilizationWindow
 from tokenmill.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 
@@ -24,7 +25,7 @@ def test_step_stats_count_tokens_pairs_and_kv_reads():
 
 def test_window_summary():
     model = CostModel(matmul_params=1000, weight_bytes=5000.0, kv_bytes_per_token=10.0,
-                      attention_flops_per_pair=8.0, peak_flops=1e6, peak_bandwidth=1e5, cost_per_hour=36.0,
+                      attention_flops_per_pair=8.0, peaks=DevicePeaks(1e6, 1e5), cost_per_hour=36.0,
                       max_num_batched_tokens=8)
     window = UtilizationWindow(model, window_seconds=10.0)
     window.started = 0.0

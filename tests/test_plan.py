@@ -9,9 +9,9 @@ import pytest
 from tokenmill import LLM
 from tokenmill.cli import main
 from tokenmill.errors import InvalidParameterError
+from tokenmill.hardware import CATALOG, lookup, match_cuda_device
 from tokenmill.models.loader import load_model_config
-from tokenmill.plan.hardware import CATALOG, lookup, match_cuda_device
-from tokenmill.plan.model_math import ModelMath
+from tokenmill.models.model_math import ModelMath
 from tokenmill.plan.planner import PlanInputs, batch_run_seconds, make_plan
 
 LLAMA3_8B = {

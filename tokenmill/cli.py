@@ -24,14 +24,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _stream_generation(engine, args: argparse.Namespace, params) -> int:
-    prompt = args.prompt
     if args.chat:
-        tokenizer = engine.tokenizer
-        if not tokenizer.chat_template:
-            raise TokenmillError("--chat: this model has no chat template")
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
-    engine.add_request("cli", prompt, params, add_special_tokens=not args.chat)
+        prompt, prompt_token_ids = engine.input_processor.tokenize_chat([{"role": "user", "content": args.prompt}])
+        engine.add_request("cli", prompt_token_ids, params, prompt_text=prompt)
+    else:
+        engine.add_request("cli", args.prompt, params)
     while engine.has_unfinished_requests():
         for output in engine.step():
             sys.stdout.write(output.deltas.get(0, ""))

@@ -7,12 +7,10 @@ from collections.abc import Sequence
 
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.engine_core import EngineStats, LLMEngine
+from tokenmill.engine.input_processor import Conversation, PromptType, normalize_prompts
 from tokenmill.errors import InvalidParameterError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-
-PromptType = str | list[int]
-Conversation = list[dict]
 
 
 class LLM:
@@ -90,9 +88,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run([(p, True) for p in prompts], sampling_params, use_tqdm)
+        return self._run([(p, True) for p in normalize_prompts(prompts)], sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -107,10 +103,7 @@ class LLM:
         return self._run(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise InvalidParameterError("this model has no chat template", param="messages")
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.engine.input_processor.render_chat(conversation, add_generation_prompt)
 
     def _run(
         self,
@@ -131,7 +124,7 @@ class LLM:
         # Validate every prompt before queueing any, so a bad one leaves nothing behind.
         tokenized = []
         for (prompt, add_special), params in zip(prompts, params_list):
-            ids = engine.tokenize(prompt, add_special) if isinstance(prompt, str) else list(prompt)
+            ids = engine.tokenize(prompt, add_special)
             engine.validate_request(ids, params)
             tokenized.append((prompt, ids))
         order: dict[str, int] = {}

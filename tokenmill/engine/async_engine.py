@@ -127,6 +127,11 @@ class AsyncLLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     @property
+    def is_idle(self) -> bool:
+        """No request in flight and none about to be added (readable from any thread)."""
+        return not self._streams and not self._commands
+
+    @property
     def num_waiting(self) -> int:
         """Requests accepted that have produced no output yet (queued or prefilling)."""
         return sum(1 for s in self._streams.values() if not s.has_output)

@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from tokenmill.engine.metrics import StepStats
 from tokenmill.engine.request import Request, RequestStatus
@@ -60,6 +61,7 @@ class LLMEngine:
         loaded = self.executor.load_model()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.input_processor = InputProcessor(loaded.tokenizer)
         self.max_model_len = loaded.max_model_len
         self.model_path = loaded.path
         cache = config.cache
@@ -96,8 +98,8 @@ class LLMEngine:
         return int(min(num_blocks, self.config.scheduler.max_num_seqs * blocks_per_seq))
 
     # ---- intake --------------------------------------------------------------------------
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a prompt against the limits; returns the effective max_tokens."""
@@ -128,7 +130,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise InvalidParameterError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text = prompt if isinstance(prompt, str) else prompt_text
-        prompt_token_ids = self.tokenize(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
+        prompt_token_ids = self.tokenize(prompt, add_special_tokens)
         max_tokens = self.validate_request(prompt_token_ids, params)
         eos = frozenset(self.model_config.eos_token_ids)
         arrival = arrival_time or time.time()

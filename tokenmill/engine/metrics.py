@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tokenmill.config import ModelConfig
+from tokenmill.engine.device_peaks import DevicePeaks
 from tokenmill.engine.scheduler_output import SchedulerOutput
+from tokenmill.models.model_math import ModelMath
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,16 @@ class CostModel:
     weight_bytes: float  # read once per step
     kv_bytes_per_token: float
     attention_flops_per_pair: float  # 4 x layers x heads x head_dim (QK^T and PV)
-    peak_flops: float | None = None  # FLOP/s
-    peak_bandwidth: float | None = None  # bytes/s
+    peaks: DevicePeaks = field(default_factory=DevicePeaks)  # may be filled in later (device_peaks.py)
     cost_per_hour: float | None = None
     max_num_batched_tokens: int = 2048
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, dtype: str, peaks: DevicePeaks, cost_per_hour: float | None = None,
+                  max_num_batched_tokens: int = 2048) -> CostModel:
+        model = ModelMath(config)
+        return cls(model.num_matmul_params, model.weight_bytes(dtype), model.kv_bytes_per_token(dtype),
+                   model.attention_flops_per_pair, peaks, cost_per_hour, max_num_batched_tokens)
 
     def flops(self, step: StepStats) -> float:
         return 2 * self.matmul_params * step.num_tokens + self.attention_flops_per_pair * step.attention_pairs
@@ -112,8 +121,8 @@ class UtilizationWindow:
             "token_budget_occupancy": ratio(t.tokens, t.steps * model.max_num_batched_tokens),
             "output_tokens_per_second": output_tps,
             "total_tokens_per_second": total_tps,
-            "model_flops_utilization": ratio(t.flops / span, model.peak_flops),
-            "memory_bandwidth_utilization": ratio(t.bytes / span, model.peak_bandwidth),
+            "model_flops_utilization": ratio(t.flops / span, model.peaks.flops),
+            "memory_bandwidth_utilization": ratio(t.bytes / span, model.peaks.bandwidth),
             "cost_per_1m_output_tokens": ratio(dollars * 1e6, t.output_tokens) if dollars is not None else nan,
             "cost_per_1m_total_tokens": ratio(dollars * 1e6, t.tokens) if dollars is not None else nan,
         }

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 from tokenmill.config import DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_FRACTION
 from tokenmill.errors import InvalidParameterError
-from tokenmill.plan.hardware import Accelerator
-from tokenmill.plan.model_math import ModelMath
+from tokenmill.hardware import Accelerator
+from tokenmill.models.model_math import ModelMath
 
 HOURS_PER_MONTH = 730.0
 CPU_KV_FRACTION = DEFAULT_KV_CACHE_FRACTION["cpu"]  # of the available memory

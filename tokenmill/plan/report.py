@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from tokenmill.plan.hardware import Accelerator, lookup
-from tokenmill.plan.model_math import ModelMath
+from tokenmill.hardware import Accelerator, lookup
+from tokenmill.models.model_math import ModelMath
 from tokenmill.plan.planner import (
     CPU_EFFICIENCY, CPU_KV_FRACTION, GPU_EFFICIENCY, PlanInputs, batch_run_seconds, make_plan,
 )

@@ -20,7 +20,7 @@ from tokenmill.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, B
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, to_conversation,
 )
-from tokenmill.server.serving_chat import create_chat_completion, render_chat_prompt
+from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_common import ClientDisconnected, ResponseLog, ServerContext, now_seconds
 from tokenmill.server.serving_completion import create_completion
 
@@ -157,10 +157,9 @@ async def _tokenize(ctx: ServerContext, body: TokenizeRequest, receive, log: Res
     if (body.prompt is None) == (body.messages is None):
         raise InvalidParameterError("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        prompt = render_chat_prompt(ctx, to_conversation(body.messages), body.add_generation_prompt)
-        tokens = ctx.tokenize(prompt, add_special_tokens=False)
+        _, tokens = ctx.inputs.tokenize_chat(to_conversation(body.messages), body.add_generation_prompt)
     else:
-        tokens = ctx.tokenize(body.prompt, body.add_special_tokens)
+        tokens = ctx.inputs.tokenize(body.prompt, body.add_special_tokens)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
 
 

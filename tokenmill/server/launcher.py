@@ -12,6 +12,7 @@ import uvicorn
 
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.device_peaks import known_peaks, measure_cpu_when_idle
 from tokenmill.engine.engine_core import LLMEngine
 from tokenmill.engine.metrics import CostModel, UtilizationWindow
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
@@ -93,31 +94,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def _cost_model(engine: LLMEngine, options: ServeOptions) -> CostModel:
-    """FLOPs and bytes per step of the loaded model, against the device's peaks: given, else measured
-    (CPU, cached) or from the catalog (known GPUs); unknown peaks leave MFU/MBU undefined."""
-    import torch
-
-    from tokenmill.plan.hardware import match_cuda_device, this_cpu
-    from tokenmill.plan.model_math import ModelMath
-
-    peak_tflops, peak_gbs = options.peak_tflops, options.peak_bandwidth_gbs
-    if peak_tflops is None or peak_gbs is None:
-        if engine.device.type == "cpu":
-            device = this_cpu()
-        else:
-            device = match_cuda_device(torch.cuda.get_device_name(engine.device))
-        if device is not None:
-            peak_tflops = peak_tflops if peak_tflops is not None else device.bf16_tflops
-            peak_gbs = peak_gbs if peak_gbs is not None else device.bandwidth_gbs
-    model = ModelMath(engine.model_config)
-    dtype = str(engine.dtype).removeprefix("torch.")
-    return CostModel(
-        matmul_params=model.num_matmul_params, weight_bytes=model.weight_bytes(dtype),
-        kv_bytes_per_token=model.kv_bytes_per_token(dtype), attention_flops_per_pair=model.attention_flops_per_pair,
-        peak_flops=None if peak_tflops is None else peak_tflops * 1e12,
-        peak_bandwidth=None if peak_gbs is None else peak_gbs * 1e9,
-        cost_per_hour=options.cost_per_hour, max_num_batched_tokens=options.max_num_batched_tokens,
-    )
+    """FLOPs and bytes per step of the loaded model against the device's peaks: given, else from the
+    catalog (known GPUs) or this CPU's cached measurement; unknown peaks leave MFU/MBU undefined."""
+    peaks = known_peaks(engine.device, options.peak_tflops, options.peak_bandwidth_gbs)
+    return CostModel.for_model(engine.model_config, str(engine.dtype).removeprefix("torch."), peaks,
+                               options.cost_per_hour, options.max_num_batched_tokens)
 
 
 def serve(options: ServeOptions) -> int:
@@ -138,8 +119,12 @@ def serve(options: ServeOptions) -> int:
         ),
     ))
     model_name = options.served_model_name or options.model or DEFAULT_MODEL_NAME
-    metrics = ServingMetrics(model_name, UtilizationWindow(_cost_model(engine, options), options.metrics_window))
+    cost_model = _cost_model(engine, options)
+    metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window))
     async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step)
+    if engine.device.type == "cpu":  # refine (or find) this CPU's peaks while nothing is being served
+        measure_cpu_when_idle(cost_model.peaks, lambda: async_engine.is_idle, options.peak_tflops,
+                              options.peak_bandwidth_gbs)
     ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts)
     app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False)
     config = uvicorn.Config(

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.engine.input_processor import normalize_prompts
 from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -89,13 +90,7 @@ class CompletionRequest(_GenerationRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
-        if not prompts:
-            raise InvalidParameterError("the prompt is empty", param="prompt")
+        prompts = normalize_prompts(self.prompt)
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise InvalidParameterError(
                 f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompts)}", param="prompt"

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from tokenmill.errors import InvalidParameterError
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_common import (
@@ -16,24 +15,11 @@ from tokenmill.server.serving_common import (
 )
 
 
-def render_chat_prompt(ctx: ServerContext, conversation: list[dict], add_generation_prompt: bool = True) -> str:
-    """The conversation as the model's chat template writes it."""
-    tokenizer = ctx.tokenizer
-    if not tokenizer.chat_template:
-        raise InvalidParameterError("this model has no chat template", param="messages")
-    try:
-        return tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
-        raise InvalidParameterError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-
-
 async def create_chat_completion(
     ctx: ServerContext, body: ChatCompletionRequest, receive: Receive, log: ResponseLog
 ) -> Response:
     ctx.check_model(body.model)
-    prompt = render_chat_prompt(ctx, body.conversation(), body.add_generation_prompt)
-    prompt_token_ids = ctx.tokenize(prompt, add_special_tokens=False)  # the template wrote them
+    prompt, prompt_token_ids = ctx.inputs.tokenize_chat(body.conversation(), body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to max_model_len
     num_top = body.num_logprobs()
     params = body.sampling_params(max_tokens, num_top, ctx.vocab_size)

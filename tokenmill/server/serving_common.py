@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.errors import ModelNotFoundError, ServerBusyError, TokenmillError
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -35,12 +36,16 @@ class ServerContext:
     metrics: ServingMetrics
     log_prompts: bool = False
     draining: bool = False
-    # The event loop's own copy: HF fast tokenizers are not safe to share with the engine thread,
-    # which detokenizes with its own (a call that changes truncation settings borrows it mutably).
-    tokenizer: object = field(init=False)
+    # The event loop's own tokenizer copy: HF fast tokenizers are not safe to share with the engine
+    # thread, which detokenizes with its own (a call that changes truncation settings borrows it mutably).
+    inputs: InputProcessor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tokenizer = copy.deepcopy(self.engine.engine.tokenizer)
+        self.inputs = InputProcessor(copy.deepcopy(self.engine.engine.tokenizer))
+
+    @property
+    def tokenizer(self):
+        return self.inputs.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -64,11 +69,6 @@ class ServerContext:
         except ServerBusyError:
             self.metrics.observe_rejection("draining" if self.draining else "queue_full")
             raise
-
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-        return list(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check one prompt against the limits; returns its effective max_tokens."""

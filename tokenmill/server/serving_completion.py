@@ -24,7 +24,7 @@ async def create_completion(
     if body.echo and body.logprobs is not None:
         raise InvalidParameterError("echo together with logprobs is not supported", param="echo")
     params = body.sampling_params(body.max_tokens, body.logprobs, ctx.vocab_size)
-    prompt_token_ids = [ctx.tokenize(p) for p in prompts]
+    prompt_token_ids = [ctx.inputs.tokenize(p) for p in prompts]
     for ids in prompt_token_ids:
         ctx.validate(ids, params)
     ctx.check_accepting()

@@ -1,0 +1,82 @@
+"""The device's peak FLOP/s and memory bandwidth: the denominators of MFU and MBU.
+
+Figures the user gives win; a known GPU takes its catalog entry; a CPU takes its cached
+measurement (tokenmill.hardware). Nothing is measured on the way to serving: a CPU is measured
+in the background, in short runs taken only while the engine is idle, and the figures are
+filled in (or raised) when that is done. Until then MFU and MBU are undefined.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill import hardware
+
+logger = logging.getLogger(__name__)
+
+IDLE_SECONDS_BEFORE_MEASURING = 2.0
+REMEASURE_AFTER_SECONDS = 24 * 3600  # a cached measurement younger than this is trusted as it is
+
+
+@dataclass
+class DevicePeaks:
+    """Peaks shared by the metrics readers and the background measurement (which may fill them in)."""
+
+    flops: float | None = None  # FLOP/s
+    bandwidth: float | None = None  # bytes/s
+    given: bool = False  # both came from the user: never measured
+
+
+def known_peaks(device: torch.device, peak_tflops: float | None = None,
+                peak_bandwidth_gbs: float | None = None) -> DevicePeaks:
+    """The peaks known without measuring anything."""
+    tflops, gbs = peak_tflops, peak_bandwidth_gbs
+    if tflops is None or gbs is None:
+        if device.type == "cuda":
+            entry = hardware.match_cuda_device(torch.cuda.get_device_name(device))
+            known = None if entry is None else (entry.bf16_tflops, entry.bandwidth_gbs)
+        else:
+            cached = hardware.cached_cpu_peaks()
+            known = None if cached is None else (cached.bf16_tflops, cached.bandwidth_gbs)
+        if known is not None:
+            tflops = known[0] if tflops is None else tflops
+            gbs = known[1] if gbs is None else gbs
+    return DevicePeaks(None if tflops is None else tflops * 1e12, None if gbs is None else gbs * 1e9,
+                       given=peak_tflops is not None and peak_bandwidth_gbs is not None)
+
+
+def measure_cpu_when_idle(peaks: DevicePeaks, is_idle: Callable[[], bool], peak_tflops: float | None = None,
+                          peak_bandwidth_gbs: float | None = None) -> threading.Thread | None:
+    """Unless the figures are given or freshly cached: start a daemon thread that measures this CPU
+    once the engine has been idle for a while (each short run only while it still is), records the
+    result and fills in the figures not given."""
+    cached = hardware.cached_cpu_peaks()
+    if peaks.given or (cached is not None and time.time() - cached.measured_at < REMEASURE_AFTER_SECONDS):
+        return None
+
+    def run() -> None:
+        while True:
+            idle_since = time.monotonic()
+            while is_idle():
+                if time.monotonic() - idle_since >= IDLE_SECONDS_BEFORE_MEASURING:
+                    measured = hardware.measure_cpu_peaks(between_runs=is_idle)
+                    if measured is None:  # work arrived before the first run: wait for the next lull
+                        break
+                    if peak_tflops is None:
+                        peaks.flops = measured.bf16_tflops * 1e12
+                    if peak_bandwidth_gbs is None:
+                        peaks.bandwidth = measured.bandwidth_gbs * 1e9
+                    logger.info("CPU peaks: %.2f TFLOP/s, %.1f GB/s", measured.bf16_tflops, measured.bandwidth_gbs)
+                    return
+                time.sleep(0.1)
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=run, name="tokenmill-peaks", daemon=True)
+    thread.start()
+    return thread
