@@ -2,7 +2,6 @@
 
 from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams
-
-__version__ = "0.1.0"
+from tokenmill.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]

@@ -84,8 +84,3 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash, block.token_ids = None, None
-
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0:
-                self._evict(block)

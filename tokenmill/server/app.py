@@ -13,7 +13,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from tokenmill import __version__
 from tokenmill.errors import InvalidParameterError, TokenmillError
 from tokenmill.server.errors import error_response, invalid_body
 from tokenmill.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
@@ -23,6 +22,7 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_common import ClientDisconnected, ResponseLog, ServerContext, now_seconds
 from tokenmill.server.serving_completion import create_completion
+from tokenmill.version import __version__
 
 logger = logging.getLogger(__name__)
 
