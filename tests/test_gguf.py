@@ -26,6 +26,73 @@ def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> float32 of the little-endian fp16 they hold."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit scale and min of each of the 8 sub-blocks packed into a K-quant's 12 bytes: [..., 8] each."""
+    s = scales.astype(np.int32)
+    low = s[..., 0:4] & 63, s[..., 4:8] & 63  # sub-blocks 0-3
+    high_scale = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)  # sub-blocks 4-7
+    high_min = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return np.concatenate([low[0], high_scale], -1), np.concatenate([low[1], high_min], -1)
+
+
+def reference_dequantize(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> np.ndarray:
+    """Our own reading of llama.cpp's block layouts (ggml-common.h), independent of the gguf package."""
+    rows = shape[0]
+    if type_name == "F32":
+        return data.astype(np.float32).reshape(shape)
+    if type_name == "F16":
+        return data.astype(np.float32).reshape(shape)
+    if type_name == "BF16":
+        return (data.reshape(rows, -1).view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    b = data.reshape(rows, -1)
+    if type_name == "Q8_0":  # 34-byte blocks of 32: fp16 d, int8 q[32]; w = d * q
+        blocks = b.reshape(rows, -1, 34)
+        out = _f16(blocks[..., 0:2])[..., None] * blocks[..., 2:].view(np.int8)
+    elif type_name in ("Q4_0", "Q4_1"):  # fp16 d, (fp16 m), 16 bytes: element j low nibble, j + 16 high
+        size, qs_at = (18, 2) if type_name == "Q4_0" else (20, 4)
+        blocks = b.reshape(rows, -1, size)
+        qs = blocks[..., qs_at:].astype(np.int32)
+        q = np.concatenate([qs & 0xF, qs >> 4], -1)
+        d = _f16(blocks[..., 0:2])[..., None]
+        out = d * (q - 8) if type_name == "Q4_0" else d * q + _f16(blocks[..., 2:4])[..., None]
+    elif type_name in ("Q4_K", "Q5_K"):
+        # 256-element super-blocks: fp16 d, fp16 dmin, 12 bytes of scales, [Q5_K: 32 bytes of high bits],
+        # 128 bytes of nibbles. Chunk c (64 elements) = bytes 32c..32c+31: sub-block 2c the low nibbles,
+        # 2c + 1 the high ones; Q5_K adds 16 where bit 2c (or 2c + 1) of qh[l] is set. w = d*sc*q - dmin*m.
+        size = 144 if type_name == "Q4_K" else 176
+        blocks = b.reshape(rows, -1, size)
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, m = _k_scales(blocks[..., 4:16])
+        qs = blocks[..., size - 128:].astype(np.int32).reshape(rows, -1, 4, 32)
+        q = np.stack([qs & 0xF, qs >> 4], 3)  # [rows, blocks, chunk, low/high, 32]
+        if type_name == "Q5_K":
+            qh = blocks[..., 16:48].astype(np.int32)[:, :, None, None, :]
+            bit = (2 * np.arange(4))[:, None, None] + np.arange(2)[None, :, None]  # [chunk, low/high, 1]
+            q = q + ((qh >> bit) & 1) * 16
+        q = q.reshape(rows, -1, 8, 32)
+        out = d[..., None, None] * sc[..., None] * q - dmin[..., None, None] * m[..., None]
+    elif type_name == "Q6_K":
+        # 210 bytes per 256: ql[128] low nibbles, qh[64] 2-bit highs, int8 scales[16] (one per 16), fp16 d.
+        # Half h (128 elements): ql[64h:64h+64], qh[32h:32h+32]; for l < 32 the four elements l, l+32,
+        # l+64, l+96 take ql[l] low, ql[l+32] low, ql[l] high, ql[l+32] high and qh[l] bits 0-1, 2-3, 4-5, 6-7.
+        blocks = b.reshape(rows, -1, 210)
+        ql = blocks[..., 0:128].astype(np.int32).reshape(rows, -1, 2, 64)
+        qh = blocks[..., 128:192].astype(np.int32).reshape(rows, -1, 2, 32)
+        scales = blocks[..., 192:208].view(np.int8).astype(np.float32)  # [rows, blocks, 16]
+        d = _f16(blocks[..., 208:210])
+        low = [ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4]
+        q = np.stack([low[i] | (((qh >> (2 * i)) & 3) << 4) for i in range(4)], 3) - 32  # [rows, blocks, 2, 4, 32]
+        out = d[..., None] * scales.repeat(16, -1) * q.reshape(rows, -1, 256)
+    else:
+        raise ValueError(type_name)
+    return out.reshape(shape).astype(np.float32)
+
+
 def _quantized(rng: np.random.Generator, shape: tuple[int, int], type_name: str) -> tuple[np.ndarray, np.ndarray]:
     """(bytes or array to store, the float32 values a correct reader must return)."""
     import gguf
@@ -45,8 +112,7 @@ def _quantized(rng: np.random.Generator, shape: tuple[int, int], type_name: str)
         data = raw.reshape(shape[0], -1)
     else:
         data = gguf.quants.quantize(values, qtype)
-    expected = gguf.quants.dequantize(data, qtype).reshape(shape).astype(np.float32)
-    return data, expected
+    return data, reference_dequantize(data, type_name, shape)
 
 
 def write_tiny_gguf(path, arch: str) -> dict[str, np.ndarray]:
@@ -122,7 +188,31 @@ def test_every_tensor_type_reads_back(arch, tmp_path):
     for name, want in expected.items():
         got = loaded[name]
         assert got.dtype == torch.float32 and tuple(got.shape) == want.shape, name
-        assert torch.equal(got, torch.from_numpy(want)), name
+        torch.testing.assert_close(got, torch.from_numpy(want), atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_reference_reader_on_hand_built_blocks():
+    """The reference decoder itself, on blocks whose values are worked out by hand."""
+    f16 = lambda x: np.frombuffer(np.float16(x).tobytes(), dtype=np.uint8)  # noqa: E731
+    q8 = np.concatenate([f16(0.5), np.arange(-16, 16, dtype=np.int8).view(np.uint8)])
+    assert reference_dequantize(q8[None], "Q8_0", (1, 32)).tolist() == [[0.5 * q for q in range(-16, 16)]]
+    nibbles = np.array([0x91] * 16, dtype=np.uint8)  # low nibble 1, high nibble 9
+    q4 = np.concatenate([f16(2.0), nibbles])
+    assert reference_dequantize(q4[None], "Q4_0", (1, 32)).tolist() == [[2.0 * (1 - 8)] * 16 + [2.0 * (9 - 8)] * 16]
+    q41 = np.concatenate([f16(2.0), f16(-1.0), nibbles])
+    assert reference_dequantize(q41[None], "Q4_1", (1, 32)).tolist() == [[2.0 * 1 - 1] * 16 + [2.0 * 9 - 1] * 16]
+    # Q4_K: sub-block 0 scale 2 / min 3, sub-block 5 scale 17 (0x11: low 4 bits in byte 9, bits 4-5 in byte 1's
+    # top two) / min 33 (0x21: low 4 bits in byte 9's high nibble, bits 4-5 in byte 5's top two); qs all 0x75
+    scales = np.zeros(12, dtype=np.uint8)
+    scales[0], scales[4] = 2, 3
+    scales[9] = 0x1 | (0x1 << 4)
+    scales[1] |= 1 << 6
+    scales[5] |= 2 << 6
+    q4k = np.concatenate([f16(1.0), f16(0.5), scales, np.full(128, 0x75, dtype=np.uint8)])
+    values = reference_dequantize(q4k[None], "Q4_K", (1, 256))[0]
+    assert values[0] == 1.0 * 2 * 5 - 0.5 * 3  # sub-block 0: low nibbles of chunk 0
+    assert values[5 * 32] == 1.0 * 17 * 7 - 0.5 * 33  # sub-block 5: high nibbles of chunk 2
+    assert values[32] == 0.0  # sub-block 1: scale 0, min 0
 
 
 def test_permutation_round_trip():

@@ -24,22 +24,64 @@ def make_request(rid: str, prompt: list[int], max_tokens: int, leader: Request |
     )
 
 
-def fake_step(scheduler: Scheduler, step_no: int, check) -> list[Request]:
-    """Schedule, 'sample' a deterministic token per sampling sequence, update."""
+class FakeModel:
+    """Stands in for the runner and checks the schedule against its own record, never the scheduler's.
+
+    It keeps every token it was given or sampled per request, and a fake KV cache: slot -> the
+    token computed there. Each scheduled sequence must continue exactly where its cached context
+    ends, with the right tokens, and that context must really hold the request's tokens (prefix
+    hits and recomputation after preemption included).
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.tokens: dict[str, list[int]] = {}  # prompt + sampled, as this model saw them
+        self.kv: dict[tuple[int, int], int] = {}
+        self.step_no = 0
+
+    def add(self, request: Request) -> None:
+        self.tokens[request.request_id] = list(request.prompt_token_ids)
+
+    def slot(self, block_ids: list[int], position: int) -> tuple[int, int]:
+        return block_ids[position // self.block_size], position % self.block_size
+
+    def run(self, output) -> list[SampledToken]:
+        self.step_no += 1
+        # As in the real forward, every layer writes all new K/V of the step before any attention reads.
+        for seq in output.sequences:
+            tokens, start = self.tokens[seq.request_id], seq.num_computed_tokens
+            assert len(seq.block_ids) * self.block_size >= start + len(seq.token_ids)  # every new token has a slot
+            assert seq.token_ids == tokens[start : start + len(seq.token_ids)]
+            assert (seq.sampling is not None) == (start + len(seq.token_ids) == len(tokens))
+            for offset, token in enumerate(seq.token_ids):
+                self.kv[self.slot(seq.block_ids, start + offset)] = token
+        sampled = []
+        for i, seq in enumerate(output.sequences):
+            tokens = self.tokens[seq.request_id]
+            for position in range(seq.num_computed_tokens):  # the cached context holds this request's tokens
+                assert self.kv.get(self.slot(seq.block_ids, position)) == tokens[position], (seq.request_id, position)
+            if seq.sampling is not None:
+                token = (len(seq.token_ids) * 7 + self.step_no * 13 + i) % 50 + (1 if self.step_no % 11 else 0)
+                tokens.append(token)
+                sampled.append(SampledToken(token_id=token))
+        return sampled
+
+
+def fake_step(scheduler: Scheduler, model: FakeModel, check) -> list[Request]:
+    """Schedule, run the fake model (which samples a deterministic token per sampling sequence), update."""
     output = scheduler.schedule()
     check(output)
-    sampled = [
-        SampledToken(token_id=(len(s.token_ids) * 7 + step_no * 13 + i) % 50 + (1 if step_no % 11 else 0))
-        for i, s in enumerate(output.sequences)
-        if s.sampling is not None
-    ]
-    return scheduler.update(output, sampled)
+    return scheduler.update(output, model.run(output))
 
 
+SHARED_PREFIX = [(i * 7) % 4 + 1 for i in range(48)]  # many requests start with some of it: prefix hits
+prompts = st.one_of(
+    st.lists(st.integers(1, 4), min_size=1, max_size=60),
+    st.builds(lambda n, tail: SHARED_PREFIX[:n] + tail, st.integers(1, 48), st.lists(st.integers(1, 4), max_size=8)),
+)
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.lists(st.integers(1, 4), min_size=1, max_size=60), st.integers(1, 20),
-                  st.integers(1, 3)),
+        st.tuples(st.just("add"), prompts, st.integers(1, 20), st.integers(1, 3)),
         st.tuples(st.just("abort"), st.integers(0, 100)),
         st.tuples(st.just("step"), st.integers(1, 4)),
     ),
@@ -60,18 +102,13 @@ def test_blocks_conserved_budgets_respected(ops, num_blocks, block_size, max_num
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens_budget)
     scheduler = Scheduler(config, max_model_len=100, kv_cache=kv)
+    model = FakeModel(block_size)
     added: list[Request] = []
-    step_no = 0
 
     def check(output) -> None:
         assert output.num_tokens <= max_tokens_budget
         assert len(output.sequences) <= max_num_seqs
         assert len(scheduler.running) <= max_num_seqs
-        for seq in output.sequences:
-            request = next(r for r in added if r.request_id == seq.request_id)
-            # every new token has a slot in the block table
-            assert len(seq.block_ids) * block_size >= seq.num_computed_tokens + len(seq.token_ids)
-            assert seq.token_ids == request.all_token_ids[seq.num_computed_tokens:][: len(seq.token_ids)]
         kv.check_integrity()
 
     for op in ops:
@@ -86,23 +123,23 @@ def test_blocks_conserved_budgets_respected(ops, num_blocks, block_size, max_num
                     assert kv.blocks_needed(len(prompt) + max_tokens) > num_blocks
                     break
                 added.append(request)
+                model.add(request)
                 leader = leader or request
         elif op[0] == "abort" and added:
             scheduler.finish_request(added[op[1] % len(added)].request_id, RequestStatus.FINISHED_ABORTED)
             kv.check_integrity()
         elif op[0] == "step":
             for _ in range(op[1]):
-                step_no += 1
-                fake_step(scheduler, step_no, check)
+                fake_step(scheduler, model, check)
 
     for _ in range(10_000):
         if not scheduler.has_unfinished_requests():
             break
-        step_no += 1
-        fake_step(scheduler, step_no, check)
+        fake_step(scheduler, model, check)
     assert not scheduler.has_unfinished_requests(), "requests starved"
     for request in added:
         assert request.is_finished
+        assert request.output_token_ids == model.tokens[request.request_id][request.num_prompt_tokens:]
         if request.status != RequestStatus.FINISHED_ABORTED:
             assert request.num_output_tokens <= request.max_tokens
     assert kv.pool.num_free_blocks == num_blocks
@@ -125,7 +162,9 @@ def test_decodes_keep_running_during_chunked_prefill():
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8), max_model_len=512, kv_cache=kv)
     short = make_request("short", [1, 2, 3], 50)
     scheduler.add_request(short)
-    fake_step(scheduler, 1, lambda o: None)
+    model = FakeModel(4)
+    model.add(short)
+    fake_step(scheduler, model, lambda o: None)
     scheduler.add_request(make_request("long", list(range(1, 41)), 5))
     for step in range(2, 7):
         output = scheduler.schedule()

@@ -3,6 +3,11 @@
 Free blocks sit in an LRU queue. A freed block keeps its cached content (and its hash
 entry) until the pool hands it out again, so a later request with the same prefix can
 revive it; eviction takes the least recently freed block first.
+
+A cached block can only be found through its whole chain: a hit needs the block's own token
+ids and its parent block as it was when the block was computed (block id and generation; the
+generation changes whenever a block's content is replaced). So two prefixes that collide on
+the hash, or a parent that was evicted and reused, can never hand out KV of another prefix.
 """
 
 from __future__ import annotations
@@ -17,8 +22,15 @@ class KVBlock:
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    generation: int = 0  # bumped each time the block is handed out for new content
+    block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # kept to re-check a hash hit
+    parent: tuple[int, int] | None = None  # (block id, generation) of the previous block of its chain
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        """This block's content as a child refers to it."""
+        return self.block_id, self.generation
 
 
 class BlockPool:
@@ -27,7 +39,7 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[bytes, KVBlock] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -46,6 +58,7 @@ class BlockPool:
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             self._evict(block)
+            block.generation += 1
             block.ref_cnt = 1
             taken.append(block)
         return taken
@@ -65,22 +78,23 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> KVBlock | None:
-        """The cached block with this hash, only if its token ids really match."""
+    def lookup(self, block_hash: bytes, token_ids: tuple[int, ...], parent: KVBlock | None) -> KVBlock | None:
+        """The cached block with this hash, only if its token ids and its parent really match."""
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+        if block is None or block.token_ids != token_ids or block.parent != (None if parent is None else parent.ref):
             return None
         return block
 
-    def cache(self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Register a full block under its hash (first writer wins for identical content)."""
+    def cache(self, block: KVBlock, block_hash: bytes, token_ids: tuple[int, ...], parent: KVBlock | None) -> None:
+        """Register a full, computed block under its hash (first writer wins for identical content)."""
         if block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash, block.token_ids = block_hash, token_ids
+        block.parent = None if parent is None else parent.ref
         self.cached[block_hash] = block
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-            block.block_hash, block.token_ids = None, None
+            block.block_hash, block.token_ids, block.parent = None, None, None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+from array import array
 from dataclasses import dataclass
 
 from tokenmill.engine.block_pool import BlockPool, KVBlock
@@ -23,16 +26,27 @@ class KVCacheStats:
     prefix_cache_hits: int  # prompt tokens found
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+def hash_block(key: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """A block's content hash: keyed BLAKE2b over its parent's hash and its own token ids, so it
+    names the whole prefix up to the block's end."""
+    digest = hashlib.blake2b(parent_hash or b"", key=key, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class KVCacheManager:
-    """Maps requests to blocks. allocate_slots() returns None, changing nothing, when the pool is short."""
+    """Maps requests to blocks. allocate_slots() returns None, changing nothing, when the pool is short.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    Full blocks enter the prefix cache only once the step that computed them has run
+    (cache_computed_blocks), never at allocation: a failed step leaves no hash of unwritten KV.
+    hash_key keys the block hashes (random per process unless given).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_key: bytes | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_key = hash_key or secrets.token_bytes(16)
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_num_tokens: dict[str, int] = {}  # tokens that have a slot
@@ -46,13 +60,13 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
         hashes = request.block_hashes
         size = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             tokens = tuple(request.all_token_ids[i * size : (i + 1) * size])
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            hashes.append(hash_block(self.hash_key, hashes[-1] if hashes else None, tokens))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
@@ -68,7 +82,7 @@ class KVCacheManager:
         hits: list[KVBlock] = []
         for i in range(max_blocks):
             tokens = tuple(request.all_token_ids[i * size : (i + 1) * size])
-            block = self.pool.lookup(hashes[i], tokens)
+            block = self.pool.lookup(hashes[i], tokens, hits[-1] if hits else None)
             if block is None:
                 break
             hits.append(block)
@@ -100,23 +114,25 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
         self.req_num_tokens[rid] = total_tokens
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, blocks, total_tokens, len(computed_blocks))
+        if computed_blocks:  # the hits are registered already
+            self.req_num_cached_blocks[rid] = len(computed_blocks)
         return blocks
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int, num_hits: int) -> None:
-        # Blocks computed in this step are registered now: within a forward every layer writes
-        # all new K/V before it reads, so a request admitted later in the same step can share them.
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV has been written (its num_computed_tokens)."""
+        if not self.enable_prefix_caching:
+            return
         rid = request.request_id
-        start = max(self.req_num_cached_blocks.get(rid, 0), num_hits)
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        if num_full <= start:
-            self.req_num_cached_blocks[rid] = max(start, self.req_num_cached_blocks.get(rid, 0))
+        blocks = self.req_blocks.get(rid)
+        start = self.req_num_cached_blocks.get(rid, 0)
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if blocks is None or num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
         size = self.block_size
         for i in range(start, num_full):
-            self.pool.cache(blocks[i], hashes[i], tuple(request.all_token_ids[i * size : (i + 1) * size]))
+            tokens = tuple(request.all_token_ids[i * size : (i + 1) * size])
+            self.pool.cache(blocks[i], hashes[i], tokens, blocks[i - 1] if i else None)
         self.req_num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -162,3 +178,5 @@ class KVCacheManager:
         for block_hash, block in self.pool.cached.items():
             if block.block_hash != block_hash:
                 raise RuntimeError(f"hash map entry points at block {block.block_id} with another hash")
+            if block.parent is not None and self.pool.blocks[block.parent[0]].generation < block.parent[1]:
+                raise RuntimeError(f"block {block.block_id} names a parent generation that never existed")

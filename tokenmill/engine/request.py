@@ -58,7 +58,7 @@ class Request:
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # content hash of each full block
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id

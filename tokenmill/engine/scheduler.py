@@ -132,6 +132,7 @@ class Scheduler:
         for seq in output.sequences:
             request = self.requests[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
+            self.kv_cache.cache_computed_blocks(request)  # their KV is written now
             if seq.sampling is None:
                 continue
             token = next(sampled_iter)
