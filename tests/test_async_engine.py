@@ -125,7 +125,7 @@ def test_drain_waits_then_aborts_the_rest(tiny_llm):
         _, final = await done
         assert final.finished
         slow = asyncio.ensure_future(_stream_text(async_engine, "long", engine.tokenize(PROMPTS[1]), endless))
-        await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(wait_until, engine.has_unfinished_requests)  # in flight
         aborted = await async_engine.drain(timeout=0.0)
         with pytest.raises(ServerBusyError, match="shutting down"):
             await slow

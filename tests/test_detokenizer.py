@@ -51,8 +51,30 @@ def test_stop_string_held_back_then_released(tokenizer):
     text = "abc ST abc"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["STOP"]))
+    emitted, saw_partial_stop = "", False
+    for i, token in enumerate(ids):
+        emitted += detok.add_token(token)
+        decoded = tokenizer.decode(ids[: i + 1])
+        # the last len("STOP") - 1 characters wait: they could be the start of "STOP"
+        assert emitted == decoded[: max(0, len(decoded) - 3)]
+        if decoded.endswith("ST"):
+            saw_partial_stop = True
+            assert not emitted.endswith("ST")
+    assert saw_partial_stop
+    assert detok.finish() == text[len(emitted):]  # released at the end: nothing matched
+    assert detok.stop_string is None
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    text = "one two one two three"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    two_at = next(i for i in range(len(ids)) if tokenizer.decode(ids[: i + 1]).endswith("two"))
+    # a stop string completed within the first min_tokens tokens does not count; the next one does
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["two"], min_tokens=two_at + 1))
     emitted = "".join(detok.add_token(t) for t in ids) + detok.finish()
-    assert detok.stop_string is None and emitted == text
+    assert detok.stop_string == "two" and emitted == "one two one "
+    early = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["two"], min_tokens=two_at))
+    assert "".join(early.add_token(t) for t in ids) + early.finish() == "one "
 
 
 def test_earliest_stop_string_wins(tokenizer):

@@ -75,3 +75,39 @@ def test_default_model_batch_equals_alone(default_llm):
     together = _tokens(default_llm.generate(prompts, params, use_tqdm=False))
     alone = [_tokens(default_llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
     assert together == alone
+
+
+def test_seeded_sampling_survives_preemption_and_chunking(tiny_llama_dir):
+    params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=100 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    roomy = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    alone = [_tokens(roomy.generate([p], [sp], use_tqdm=False))[0] for p, sp in zip(PROMPTS, params)]
+    tight = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=9)
+    outputs = tight.generate(PROMPTS, params, use_tqdm=False)
+    assert tight.stats().num_preemptions > 0 and any(o.metrics.num_preemptions > 0 for o in outputs)
+    assert _tokens(outputs) == alone
+    greedy = _tokens(roomy.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert _tokens(outputs) != greedy  # really sampled
+
+
+def test_parallel_samples_share_the_prompt_blocks(tiny_llama_dir):
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    unshared = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    expected = [c.token_ids for c in unshared.generate(PROMPTS[4], params, use_tqdm=False)[0].outputs]
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128)
+    engine = llm.engine
+    prompt_ids = engine.tokenize(PROMPTS[4])
+    full_blocks = (len(prompt_ids) - 1) // 16
+    engine.add_request("shared", prompt_ids, params)
+    engine.step()  # the first sample prefills the prompt; its siblings wait for its blocks
+    assert engine.kv_cache.block_ids("shared#1") == []
+    engine.step()  # the siblings start from the cached prompt blocks
+    leader_blocks = engine.kv_cache.block_ids("shared#0")[:full_blocks]
+    for i in (1, 2, 3):
+        assert engine.kv_cache.block_ids(f"shared#{i}")[:full_blocks] == leader_blocks
+    assert engine.kv_cache.stats().prefix_cache_hits == 3 * full_blocks * 16
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert [c.token_ids for c in outputs[0].outputs] == expected
+    assert engine.kv_cache.stats().num_used_blocks == 0

@@ -134,3 +134,21 @@ def test_kv_waste_stays_small_and_blocks_return(tiny_llm):
         engine.step()
     engine.kv_cache.check_integrity()
     assert engine.stats().kv_cache.num_used_blocks == 0
+
+
+def test_min_tokens_defers_stop_strings(tiny_llm):
+    base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = tiny_llm.generate("Count with me", base, use_tqdm=False)[0].outputs[0]
+    tokenizer = tiny_llm.get_tokenizer()
+    stop = full.text[4:7]
+    assert stop.strip() and full.text.count(stop) == 1
+    # the token that completes the stop string
+    completes = next(i for i in range(1, 21) if stop in tokenizer.decode(full.token_ids[:i]))
+    stopped = tiny_llm.generate("Count with me", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                                stop=[stop], min_tokens=completes - 1),
+                                use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[: full.text.index(stop)]
+    deferred = tiny_llm.generate("Count with me", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                                 stop=[stop], min_tokens=completes),
+                                 use_tqdm=False)[0].outputs[0]
+    assert deferred.finish_reason == "length" and deferred.text == full.text  # the only match came too early

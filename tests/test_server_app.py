@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import uvicorn
-from server_harness import ServerProcess, free_port, read_event
+from server_harness import ServerProcess, free_port, read_event, wait_until
 
 import tokenmill.server.serving_completion as serving_completion
 from tokenmill.engine.async_engine import AsyncLLMEngine
@@ -24,9 +23,7 @@ def app_server(tiny_llm, tmp_path):
     server = uvicorn.Server(uvicorn.Config(build_app(ctx), host="127.0.0.1", port=port, log_config=None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.02)
+    assert wait_until(lambda: server.started)
     yield ServerProcess(process=None, port=port, log_path=tmp_path / "unused.log")
     server.should_exit = True
     thread.join(30)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import signal
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -161,7 +160,7 @@ def test_disconnects_abort_and_free_kv_blocks(server):
     body = b'{"prompt": "and on", "max_tokens": 480, "ignore_eos": true}'
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    time.sleep(0.2)
+    assert server.wait_for(lambda: server.metric("tokenmill:num_requests_running") == 1, 20)  # it is generating
     sock.close()
     assert server.wait_for(
         lambda: server.metric("tokenmill:request_success_total", finished_reason="abort") == before + 2, 20)
@@ -231,7 +230,7 @@ def test_full_waiting_queue_is_503_with_retry_after(guarded_server):
     assert read_event(running)  # it is running: the one sequence slot is taken
     waiting_conn, waiting = guarded_server.open_stream("/v1/completions", body)
     assert waiting.status == 200  # accepted, waits for the slot
-    time.sleep(0.2)
+    assert guarded_server.wait_for(lambda: guarded_server.metric("tokenmill:num_requests_waiting") == 1, 20)
     result = guarded_server.post("/v1/completions", {"prompt": "one too many", "max_tokens": 2})
     assert result.status == 503 and result.headers["retry-after"]
     assert "queue is full" in result.json()["error"]["message"]
@@ -240,6 +239,25 @@ def test_full_waiting_queue_is_503_with_retry_after(guarded_server):
     assert guarded_server.wait_for(lambda: guarded_server.metric("tokenmill:num_requests_running") == 0
                                    and guarded_server.metric("tokenmill:num_requests_waiting") == 0, 20)
     assert guarded_server.post("/v1/completions", {"prompt": "room again", "max_tokens": 2}).status == 200
+
+
+def test_disconnect_while_queued_aborts_only_that_request(guarded_server):
+    server = guarded_server
+    aborts_before = server.metric("tokenmill:request_success_total", finished_reason="abort")
+    running_conn, running = server.open_stream("/v1/completions", {"prompt": "occupy", "max_tokens": 60,
+                                                                   "ignore_eos": True, "temperature": 0})
+    events = [read_event(running)]  # running: the one sequence slot is taken
+    queued_conn, queued = server.open_stream("/v1/completions", {"prompt": "wait", "max_tokens": 60})
+    assert queued.status == 200
+    assert server.wait_for(lambda: server.metric("tokenmill:num_requests_waiting") == 1, 20)
+    queued_conn.close()  # gone before it was ever scheduled
+    assert server.wait_for(lambda: server.metric("tokenmill:request_success_total", finished_reason="abort")
+                           == aborts_before + 1 and server.metric("tokenmill:num_requests_waiting") == 0, 20)
+    while (event := read_event(running)) not in (None, "[DONE]"):  # the running request is untouched
+        events.append(event)
+    running_conn.close()
+    assert event == "[DONE]" and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.wait_for(lambda: server.metric("tokenmill:kv_cache_usage_perc") == 0.0, 10)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir, tmp_path):
