@@ -126,7 +126,8 @@ def start_server(args: list[str], log_dir: Path, api_key: str | None = None, tim
     command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *args]
     if api_key:
         command += ["--api-key", api_key]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    # the server may measure the CPU while idle: keep its figures out of the user's cache
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TOKENMILL_CACHE_DIR": str(log_dir)}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(process, port, log_path, api_key)

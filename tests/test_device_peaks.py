@@ -18,8 +18,9 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(autouse=True)
 def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(device_peaks, "IDLE_SECONDS_BEFORE_MEASURING", 0.2)
+    monkeypatch.setattr(hardware, "machine_busy_fraction", lambda: 0.0)  # the test machine is quiet
 
 
 def _fake_measurements(monkeypatch, log: list[float]) -> None:
@@ -33,6 +34,7 @@ def _fake_measurements(monkeypatch, log: list[float]) -> None:
 
 def test_known_peaks_never_measure(monkeypatch):
     monkeypatch.setattr(hardware, "measure_cpu_peaks", lambda **kw: pytest.fail("measured on the path to ready"))
+    monkeypatch.setattr(hardware, "machine_busy_fraction", lambda: pytest.fail("measured on the path to ready"))
     assert known_peaks(CPU) == DevicePeaks(None, None)
     assert known_peaks(CPU, peak_tflops=2.0) == DevicePeaks(2e12, None)
     hardware.record_cpu_peaks(CpuPeaks(24.0, 2.0))
@@ -53,17 +55,26 @@ def test_measures_only_while_idle_and_fills_the_figures(monkeypatch):
     assert hardware.cached_cpu_peaks() == CpuPeaks(20.0, 1.5)
 
 
-def test_no_measurement_when_given_or_freshly_cached(monkeypatch):
+def test_given_figures_are_never_measured():
     assert measure_cpu_when_idle(DevicePeaks(1.0, 1.0, given=True), lambda: True) is None
+
+
+def test_a_cached_figure_is_only_raised(monkeypatch):
     hardware.record_cpu_peaks(CpuPeaks(24.0, 2.0))
-    assert measure_cpu_when_idle(DevicePeaks(2e12, 24e9), lambda: True) is None
-    monkeypatch.setattr(time, "time", lambda: 1e12)  # a day and more later: measure again
+    runs: list[float] = []
+    _fake_measurements(monkeypatch, runs)  # 20 GB/s, 1.5 TFLOP/s: both below the cache
+    peaks = known_peaks(CPU)
+    measure_cpu_when_idle(peaks, lambda: True).join(10)
+    assert runs and peaks == DevicePeaks(2e12, 24e9) and hardware.cached_cpu_peaks() == CpuPeaks(24.0, 2.0)
+
+
+def test_a_busy_machine_defers_the_measurement(monkeypatch):
     runs: list[float] = []
     _fake_measurements(monkeypatch, runs)
-    thread = measure_cpu_when_idle(DevicePeaks(2e12, 24e9), lambda: True)
-    assert thread is not None
-    thread.join(10)
-    assert runs
+    quiet_after = time.monotonic() + 0.6
+    monkeypatch.setattr(hardware, "machine_busy_fraction", lambda: 0.0 if time.monotonic() > quiet_after else 0.9)
+    measure_cpu_when_idle(DevicePeaks(), lambda: True).join(10)
+    assert runs and min(runs) >= quiet_after  # another program's load came first
 
 
 def test_work_arriving_stops_the_runs(monkeypatch):

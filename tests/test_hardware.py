@@ -10,7 +10,7 @@ from tokenmill.hardware import CpuPeaks
 
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     return tmp_path
 
 
@@ -23,7 +23,7 @@ def test_a_busy_measurement_never_lowers_the_cache(cache_home):
     # a better figure replaces its own, the other stays
     assert hardware.record_cpu_peaks(CpuPeaks(30.0, 1.0)) == CpuPeaks(30.0, 2.0)
     assert hardware.cached_cpu_peaks() == CpuPeaks(30.0, 2.0)
-    assert (cache_home / "tokenmill" / "cpu_peaks.json").is_file()
+    assert (cache_home / "cpu_peaks.json").is_file()
 
 
 def test_cache_is_keyed_by_cpu_model_and_threads(cache_home, monkeypatch):
@@ -33,7 +33,7 @@ def test_cache_is_keyed_by_cpu_model_and_threads(cache_home, monkeypatch):
     monkeypatch.setattr(hardware, "_cpu_model", lambda: "Another CPU @ 1.0GHz")
     assert hardware.cached_cpu_peaks() is None
     monkeypatch.undo()
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(cache_home))
     assert hardware.cached_cpu_peaks() == CpuPeaks(24.0, 2.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
@@ -58,8 +58,7 @@ def test_measurement_stops_when_asked_and_records_nothing(cache_home, monkeypatc
 
 
 def test_corrupt_cache_is_ignored(cache_home):
-    path = cache_home / "tokenmill" / "cpu_peaks.json"
-    path.parent.mkdir(parents=True)
+    path = cache_home / "cpu_peaks.json"
     path.write_text('{"' + hardware.cpu_key() + '": {"bandwidth_gbs": "fast"}}')
     assert hardware.cached_cpu_peaks() is None
     path.write_text("not json")
@@ -70,3 +69,4 @@ def test_corrupt_cache_is_ignored(cache_home):
 def test_real_measurement_is_plausible(cache_home):
     peaks = hardware.measure_cpu_peaks(runs=1)
     assert 0.5 < peaks.bandwidth_gbs < 2000 and 0.001 < peaks.bf16_tflops < 100
+    assert 0.0 <= hardware.machine_busy_fraction(0.05) <= 1.0

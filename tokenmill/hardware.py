@@ -90,7 +90,31 @@ def this_cpu() -> Accelerator:
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / "cpu_peaks.json"
+    """$TOKENMILL_CACHE_DIR/cpu_peaks.json, by default under ~/.cache/tokenmill."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR", default)) / "cpu_peaks.json"
+
+
+def machine_busy_fraction(seconds: float = 0.25) -> float:
+    """Share of all CPUs' time spent busy over the next `seconds` (from /proc/stat); 0 where unknown.
+    Another program's load would lower a measurement, so measurements wait for a quiet machine."""
+
+    def sample() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields), idle
+
+    first = sample()
+    time.sleep(seconds)
+    second = sample()
+    if first is None or second is None or second[0] <= first[0]:
+        return 0.0
+    total, idle = second[0] - first[0], second[1] - first[1]
+    return max(0.0, 1.0 - idle / total)
 
 
 def cpu_key() -> str:
@@ -154,7 +178,7 @@ def _read_cache() -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def measure_matmul_tflops(size: int = 1024, seconds: float = 0.2) -> float:
+def measure_matmul_tflops(size: int = 2048, seconds: float = 0.2) -> float:
     """Best matmul TFLOP/s over `seconds` of repeats, in the engine's CPU dtype (bf16 where native)."""
     import torch
 

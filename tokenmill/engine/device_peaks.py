@@ -1,9 +1,10 @@
 """The device's peak FLOP/s and memory bandwidth: the denominators of MFU and MBU.
 
 Figures the user gives win; a known GPU takes its catalog entry; a CPU takes its cached
-measurement (tokenmill.hardware). Nothing is measured on the way to serving: a CPU is measured
-in the background, in short runs taken only while the engine is idle, and the figures are
-filled in (or raised) when that is done. Until then MFU and MBU are undefined.
+measurement (tokenmill.hardware). Nothing is measured on the way to serving: once per start a
+CPU is measured in the background, in short runs taken only while the engine is idle and the
+machine quiet, and the figures are filled in (or raised: a measurement never lowers the cache)
+when that is done. Until a CPU has a measurement, MFU and MBU are undefined.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tokenmill import hardware
 logger = logging.getLogger(__name__)
 
 IDLE_SECONDS_BEFORE_MEASURING = 2.0
-REMEASURE_AFTER_SECONDS = 24 * 3600  # a cached measurement younger than this is trusted as it is
+MAX_BUSY_FRACTION = 0.15  # of all CPUs: above this, other programs would lower the figures
 
 
 @dataclass
@@ -53,19 +54,21 @@ def known_peaks(device: torch.device, peak_tflops: float | None = None,
 
 def measure_cpu_when_idle(peaks: DevicePeaks, is_idle: Callable[[], bool], peak_tflops: float | None = None,
                           peak_bandwidth_gbs: float | None = None) -> threading.Thread | None:
-    """Unless the figures are given or freshly cached: start a daemon thread that measures this CPU
-    once the engine has been idle for a while (each short run only while it still is), records the
-    result and fills in the figures not given."""
-    cached = hardware.cached_cpu_peaks()
-    if peaks.given or (cached is not None and time.time() - cached.measured_at < REMEASURE_AFTER_SECONDS):
+    """Unless both figures are given: start a daemon thread that measures this CPU once the engine
+    has been idle for a while and the machine is quiet (each short run only while both still hold),
+    records the result and fills in the figures not given."""
+    if peaks.given:
         return None
+
+    def quiet() -> bool:
+        return is_idle() and hardware.machine_busy_fraction() <= MAX_BUSY_FRACTION and is_idle()
 
     def run() -> None:
         while True:
             idle_since = time.monotonic()
             while is_idle():
-                if time.monotonic() - idle_since >= IDLE_SECONDS_BEFORE_MEASURING:
-                    measured = hardware.measure_cpu_peaks(between_runs=is_idle)
+                if time.monotonic() - idle_since >= IDLE_SECONDS_BEFORE_MEASURING and quiet():
+                    measured = hardware.measure_cpu_peaks(between_runs=quiet)
                     if measured is None:  # work arrived before the first run: wait for the next lull
                         break
                     if peak_tflops is None:
