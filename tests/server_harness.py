@@ -119,13 +119,20 @@ def read_event(response: http.client.HTTPResponse) -> dict | str | None:
             return data if data == "[DONE]" else json.loads(data)
 
 
-def start_server(args: list[str], log_dir: Path, api_key: str | None = None, timeout: float = 240) -> ServerProcess:
-    """Start `tokenmill serve ARGS` on a free port and wait until /health answers."""
+def start_server(args: list[str], log_dir: Path, api_key: str | None = None, timeout: float = 240,
+                 prelude: str | None = None) -> ServerProcess:
+    """Start `tokenmill serve ARGS` on a free port and wait until /health answers.
+
+    prelude: Python run in the server process before it starts (to inject a fault).
+    """
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *args]
-    if api_key:
-        command += ["--api-key", api_key]
+    cli_args = ["serve", "--port", str(port), *args] + (["--api-key", api_key] if api_key else [])
+    if prelude is None:
+        command = [sys.executable, "-m", "tokenmill.cli", *cli_args]
+    else:
+        command = [sys.executable, "-c", f"{prelude}\nimport sys\nfrom tokenmill.cli import main\n"
+                   f"sys.exit(main({cli_args!r}))"]
     # the server may measure the CPU while idle: keep its figures out of the user's cache
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TOKENMILL_CACHE_DIR": str(log_dir)}
     with open(log_path, "wb") as log:

@@ -10,6 +10,7 @@ from server_harness import wait_until
 from tokenmill import SamplingParams
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.errors import ServerBusyError
+from tokenmill.outputs import merge_deltas
 
 PROMPTS = ["The mill turns", "Water runs under the", "Grain becomes flour when", "A paged cache holds"]
 
@@ -28,10 +29,11 @@ async def _with_engine(engine, body, **kwargs):
 
 
 async def _stream_text(async_engine, request_id, prompt_ids, params):
+    """The text pieces joined, and all the delta outputs merged into one."""
     pieces, final = [], None
     async for output in async_engine.generate(request_id, prompt_ids, params):
-        pieces.append(output.deltas.get(0, ""))
-        final = output
+        pieces.append(output.outputs[0].text)
+        final = output if final is None else merge_deltas(final, output)
     return "".join(pieces), final
 
 
@@ -73,28 +75,51 @@ def test_leaving_a_stream_aborts_and_frees_blocks(tiny_llm):
     engine.kv_cache.check_integrity()
 
 
-def test_failed_step_fails_its_requests_and_the_engine_goes_on(tiny_llm, monkeypatch):
+def test_a_failing_request_fails_alone_and_the_rest_of_its_step_goes_on(tiny_llm, monkeypatch):
     engine = tiny_llm.engine
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS[1:], params, use_tqdm=False)]
+    doomed_prompt = engine.tokenize(PROMPTS[0])
+    real_execute = engine.executor.execute
+    failed_batches = []
+
+    def execute(scheduler_output):  # a kernel that fails whenever the doomed request is in the batch
+        if any(s.token_ids == doomed_prompt for s in scheduler_output.sequences):
+            failed_batches.append(len(scheduler_output.sequences))
+            raise RuntimeError("simulated kernel failure")
+        return real_execute(scheduler_output)
+
+    monkeypatch.setattr(engine.executor, "execute", execute)
+
+    async def body(async_engine):
+        others = [_stream_text(async_engine, f"fine{i}", engine.tokenize(p), params) for i, p in enumerate(PROMPTS[1:])]
+        return await asyncio.gather(_stream_text(async_engine, "doomed", doomed_prompt, params), *others,
+                                    return_exceptions=True)
+
+    doomed, *fine = run(_with_engine(engine, body))
+    assert isinstance(doomed, RuntimeError) and "simulated kernel failure" in str(doomed)
+    assert max(failed_batches) > 1  # it shared a step with others, who were retried alone and went on
+    assert [final.outputs[0].token_ids for _, final in fine] == expected
+    assert engine.kv_cache.stats().num_used_blocks == 0
+    engine.kv_cache.check_integrity()
+
+
+def test_a_transient_step_failure_is_retried(tiny_llm, monkeypatch):
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = tiny_llm.generate(PROMPTS[:2], params, use_tqdm=False)
     real_execute = engine.executor.execute
     calls = {"n": 0}
 
     def execute_failing_once(scheduler_output):
         calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("simulated kernel failure")
+        if calls["n"] == 3:
+            raise RuntimeError("simulated glitch")
         return real_execute(scheduler_output)
 
     monkeypatch.setattr(engine.executor, "execute", execute_failing_once)
-
-    async def body(async_engine):
-        with pytest.raises(RuntimeError, match="simulated kernel failure"):
-            await _stream_text(async_engine, "doomed", engine.tokenize(PROMPTS[0]), params)
-        return await _stream_text(async_engine, "fine", engine.tokenize(PROMPTS[1]), params)
-
-    joined, final = run(_with_engine(engine, body))
-    assert final.finished and len(final.outputs[0].token_ids) == 8 and joined == final.outputs[0].text
-    assert engine.kv_cache.stats().num_used_blocks == 0
+    outputs = tiny_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert calls["n"] > 3 and [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
 
 
 def test_waiting_queue_limit(tiny_llm):

@@ -30,13 +30,13 @@ def app_server(tiny_llm, tmp_path):
     assert tiny_llm.engine.kv_cache.stats().num_used_blocks == 0
 
 
-def _fail_call(monkeypatch, target, name: str, failing_call: int) -> None:
+def _fail_call(monkeypatch, target, name: str, *failing_calls: int) -> None:
     real = getattr(target, name)
     calls = {"n": 0}
 
     def maybe_fail(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == failing_call:
+        if calls["n"] in failing_calls:
             raise RuntimeError("injected failure")
         return real(*args, **kwargs)
 
@@ -44,7 +44,7 @@ def _fail_call(monkeypatch, target, name: str, failing_call: int) -> None:
 
 
 def test_failed_engine_step_is_500_for_its_request_only(app_server, tiny_llm, monkeypatch):
-    _fail_call(monkeypatch, tiny_llm.engine.executor, "execute", 1)
+    _fail_call(monkeypatch, tiny_llm.engine.executor, "execute", 1, 2)  # the step, then its retry alone
     result = app_server.post("/v1/completions", {"prompt": "doomed", "max_tokens": 4})
     assert result.status == 500
     error = result.json()["error"]
@@ -53,7 +53,7 @@ def test_failed_engine_step_is_500_for_its_request_only(app_server, tiny_llm, mo
 
 
 def test_failure_mid_stream_ends_that_stream_with_an_error_event(app_server, tiny_llm, monkeypatch):
-    _fail_call(monkeypatch, tiny_llm.engine.executor, "execute", 3)
+    _fail_call(monkeypatch, tiny_llm.engine.executor, "execute", 3, 4)
     conn, response = app_server.open_stream("/v1/completions",
                                             {"prompt": "stream", "max_tokens": 20, "ignore_eos": True})
     assert response.status == 200

@@ -24,14 +24,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _stream_generation(engine, args: argparse.Namespace, params) -> int:
+    from tokenmill.outputs import OutputKind
+
     if args.chat:
         prompt, prompt_token_ids = engine.input_processor.tokenize_chat([{"role": "user", "content": args.prompt}])
-        engine.add_request("cli", prompt_token_ids, params, prompt_text=prompt)
+        engine.add_request("cli", prompt_token_ids, params, prompt_text=prompt, output_kind=OutputKind.DELTA)
     else:
-        engine.add_request("cli", args.prompt, params)
+        engine.add_request("cli", args.prompt, params, output_kind=OutputKind.DELTA)
     while engine.has_unfinished_requests():
         for output in engine.step():
-            sys.stdout.write(output.deltas.get(0, ""))
+            if output.error is not None:
+                raise output.error
+            sys.stdout.write(output.outputs[0].text)
             sys.stdout.flush()
     sys.stdout.write("\n")
     return 0

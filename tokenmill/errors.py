@@ -67,7 +67,14 @@ class RequestBodyTooLargeError(TokenmillError):
 
 
 class EngineDeadError(TokenmillError):
-    """The engine cannot go on (e.g. a tensor-parallel worker died); the server shuts down."""
+    """The engine cannot go on (its loop failed, a tensor-parallel worker died); the server exits."""
 
-    http_status = 500
+    http_status = 503
     error_type = "engine_dead"
+
+
+class StreamStalledError(TokenmillError):
+    """The client stopped reading its stream; the request was aborted to bound what waits for it."""
+
+    http_status = 408
+    error_type = "stream_stalled"

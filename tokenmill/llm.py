@@ -9,7 +9,7 @@ from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.engine_core import EngineStats, LLMEngine
 from tokenmill.engine.input_processor import Conversation, PromptType, normalize_prompts
 from tokenmill.errors import InvalidParameterError
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -131,12 +131,15 @@ class LLM:
         for i, ((prompt, ids), params) in enumerate(zip(tokenized, params_list)):
             request_id = f"offline-{next(self._counter)}"
             order[request_id] = i
-            engine.add_request(request_id, ids, params, prompt_text=prompt if isinstance(prompt, str) else None)
+            engine.add_request(request_id, ids, params, prompt_text=prompt if isinstance(prompt, str) else None,
+                               output_kind=OutputKind.FINAL_ONLY)
         results: list[RequestOutput | None] = [None] * len(prompts)
         progress = _progress_bar(len(prompts)) if use_tqdm and len(prompts) > 1 else None
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
+                    if output.error is not None:
+                        raise output.error
                     if output.finished:
                         results[order[output.request_id]] = output
                         if progress is not None:

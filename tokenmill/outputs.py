@@ -3,7 +3,8 @@ CompletionOutput shapes)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass
 
 
 @dataclass
@@ -62,9 +63,21 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+class OutputKind(enum.Enum):
+    """What each output of a request holds (vLLM's RequestOutputKind)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, at every step
+    DELTA = "delta"  # only what is new since the previous output: text, token ids, logprobs
+    FINAL_ONLY = "final_only"  # one output, at the end, with everything
+
+
 @dataclass
 class RequestOutput:
-    """The result (or, while streaming, the progress) of one request."""
+    """The result (or, while streaming, the progress) of one request.
+
+    With OutputKind.DELTA each CompletionOutput holds only what the step added; merge_deltas
+    folds a run of them back into one.
+    """
 
     request_id: str
     prompt: str | None
@@ -73,5 +86,24 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    # Text appended since the previous output of this request, per sample index.
-    deltas: dict[int, str] = field(default_factory=dict)
+    error: BaseException | None = None  # the request failed (finish reason "error")
+
+
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One delta output for two consecutive ones of the same request (`first` is updated)."""
+    by_index = {c.index: c for c in first.outputs}
+    for new in later.outputs:
+        old = by_index.get(new.index)
+        if old is None:
+            first.outputs.append(new)
+            by_index[new.index] = new
+            continue
+        old.text += new.text
+        old.token_ids = old.token_ids + new.token_ids
+        if new.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + new.logprobs
+        old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+    first.outputs.sort(key=lambda c: c.index)
+    first.finished, first.metrics, first.error = later.finished, later.metrics, later.error
+    first.num_cached_tokens = later.num_cached_tokens
+    return first

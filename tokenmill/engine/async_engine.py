@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.engine_core import EngineStats, LLMEngine
-from tokenmill.errors import EngineDeadError, ServerBusyError, TokenmillError
-from tokenmill.outputs import RequestOutput
+from tokenmill.errors import EngineDeadError, InvalidParameterError, ServerBusyError, StreamStalledError, TokenmillError
+from tokenmill.outputs import OutputKind, RequestOutput, merge_deltas
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,11 +35,18 @@ class _AddCommand:
     arrival_time: float
 
 
+DEFAULT_STALL_TIMEOUT = 60.0  # seconds an output may wait for its reader before the request is aborted
+
+
 @dataclass
 class _Stream:
-    """Outputs of one request waiting to be read by its handler."""
+    """What one request's handler has not read yet: all of it merged into one delta output, so a
+    slow reader costs O(new tokens), never a copy per step."""
 
-    pending: list[RequestOutput | BaseException] = field(default_factory=list)
+    num_seqs: int
+    pending: RequestOutput | None = None
+    error: BaseException | None = None
+    unread_since: float | None = None  # when `pending` began to wait
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     has_output: bool = False
     finished: bool = False
@@ -65,10 +72,12 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         max_queued_requests: int | None = None,
         step_observer: StepObserver | None = None,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
     ) -> None:
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
+        self.max_queued_requests = max_queued_requests  # counted in sequences (prompts x n)
         self.step_observer = step_observer
+        self.stall_timeout = stall_timeout
         self._streams: dict[str, _Stream] = {}
         self._commands: list[_AddCommand | str] = []  # a str is a request id to abort
         self._wakeup = threading.Condition()
@@ -133,14 +142,23 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted that have produced no output yet (queued or prefilling)."""
-        return sum(1 for s in self._streams.values() if not s.has_output)
+        """Sequences of accepted requests that have produced no output yet (queued or prefilling)."""
+        return sum(s.num_seqs for s in self._streams.values() if not s.has_output)
 
-    def check_capacity(self) -> None:
-        """Raise ServerBusyError when the waiting queue is full."""
+    def check_capacity(self, num_seqs: int = 1) -> None:
+        """Raise unless a request of num_seqs sequences (prompts x n) may join the waiting queue:
+        EngineDeadError if the engine is gone, 400 if it could never fit, ServerBusyError if full now."""
+        if self.fatal_error is not None:
+            raise self.fatal_error
         limit = self.max_queued_requests
-        if limit is not None and self.num_waiting >= limit:
-            raise ServerBusyError(f"the waiting queue is full ({limit} requests); retry later")
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise InvalidParameterError(
+                f"the request has {num_seqs} sequences (prompts x n); this server queues at most {limit}",
+                param="n")
+        if self.num_waiting + num_seqs > limit:
+            raise ServerBusyError(f"the waiting queue is full ({limit} sequences); retry later")
 
     async def generate(
         self,
@@ -150,7 +168,8 @@ class AsyncLLMEngine:
         prompt_text: str | None = None,
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; each carries the text added since the one before (`deltas`).
+        """Stream a request's outputs as deltas (OutputKind.DELTA): each holds what is new since the
+        one before; merge_deltas folds them. A request that fails raises its error here.
 
         The prompt must already have passed `engine.validate_request`.
         """
@@ -158,7 +177,7 @@ class AsyncLLMEngine:
             raise self.fatal_error
         if request_id in self._streams:
             raise TokenmillError(f"request id {request_id!r} is already in use")
-        stream = _Stream()
+        stream = _Stream(params.n)
         self._streams[request_id] = stream
         self._idle.clear()
         self._submit(_AddCommand(request_id, prompt_token_ids, params, prompt_text, arrival_time or time.time()))
@@ -166,8 +185,9 @@ class AsyncLLMEngine:
             while True:
                 await stream.ready.wait()
                 stream.ready.clear()
-                items, stream.pending = stream.pending, []
-                output = _merge(items)
+                if stream.error is not None:
+                    raise stream.error
+                output, stream.pending, stream.unread_since = stream.pending, None, None
                 if output is not None:
                     yield output
                 if stream.finished:
@@ -195,21 +215,37 @@ class AsyncLLMEngine:
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None and not stream.finished:
-            stream.pending.append(error)
+            stream.error, stream.pending = error, None
             stream.finished = True
             stream.ready.set()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._fail(request_id, error)
 
     def _deliver(self, result: _StepResult) -> None:
         for request_id, error in result.errors.items():
             self._fail(request_id, error)
+        now = time.monotonic()
         for output in result.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None or stream.finished:
                 continue  # its reader has gone; the abort is already queued
-            stream.pending.append(output)
+            if output.error is not None:
+                self._fail(output.request_id, output.error)
+                continue
+            stream.pending = output if stream.pending is None else merge_deltas(stream.pending, output)
+            stream.unread_since = stream.unread_since or now
             stream.has_output = True
             stream.finished = output.finished
             stream.ready.set()
+        for request_id, stream in list(self._streams.items()):
+            if stream.unread_since is not None and now - stream.unread_since > self.stall_timeout:
+                logger.warning("request %s: its client read nothing for %.0f s; aborting", request_id,
+                               self.stall_timeout)
+                self._fail(request_id, StreamStalledError(
+                    f"the client read nothing for {self.stall_timeout:.0f} s; request aborted"))
+                self.abort(request_id)
         if self.step_observer is not None:
             try:
                 self.step_observer(result.end_time, result.outputs, result.stats)
@@ -220,9 +256,25 @@ class AsyncLLMEngine:
     def run_engine_loop(self) -> None:
         """Step the engine whenever it has work, until request_stop(). Blocks: give it a thread.
 
+        If the loop ends for any other reason (an exception anywhere in it, a dead tensor-parallel
+        worker), fatal_error is set, every stream fails at once and new requests are refused: the
+        engine never dies silently (`tokenmill serve` then exits with status 1).
+
         Torch ops run measurably (~20%) faster on a process's main thread than on a thread started
         later, so `tokenmill serve` runs this loop on the main thread and uvicorn on another.
         """
+        try:
+            self._loop_until_stopped()
+        except Exception as exc:
+            logger.exception("the engine loop failed")
+            self.fatal_error = EngineDeadError(f"the engine stopped after an internal error ({type(exc).__name__})")
+        if self.fatal_error is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._fail_all, self.fatal_error)
+            except RuntimeError:  # the event loop is gone already: nobody is waiting
+                pass
+
+    def _loop_until_stopped(self) -> None:
         engine = self.engine
         while True:
             with self._wakeup:
@@ -237,19 +289,14 @@ class AsyncLLMEngine:
                 return
             if engine.has_unfinished_requests():
                 try:
-                    outputs += engine.step()
-                except Exception as exc:  # a failed forward pass fails its batch, not the server
-                    logger.exception("engine step failed; aborting the requests in flight")
-                    for request_id in engine.unfinished_request_ids():
-                        outputs.append(engine.abort_request(request_id))
-                        errors[request_id] = exc
-                    if isinstance(exc, EngineDeadError):
-                        self.fatal_error = exc
+                    outputs += engine.step()  # a request that fails a step comes back with its error
+                except EngineDeadError as exc:
+                    logger.error("engine is dead: %s", exc.message)
+                    self.fatal_error = exc
+                    return
             if outputs or errors or commands:
                 result = _StepResult(time.time(), outputs, engine.stats(), errors)
                 self._loop.call_soon_threadsafe(self._deliver, result)
-            if self.fatal_error is not None:
-                return
 
     def _dead(self, engine: LLMEngine) -> bool:
         try:
@@ -274,24 +321,8 @@ class AsyncLLMEngine:
                 self.engine.add_request(
                     command.request_id, command.prompt_token_ids, command.params,
                     arrival_time=command.arrival_time, prompt_text=command.prompt_text,
+                    output_kind=OutputKind.DELTA,
                 )
             except Exception as exc:
                 errors[command.request_id] = exc
         return aborted, errors
-
-
-def _merge(items: list[RequestOutput | BaseException]) -> RequestOutput | None:
-    """Fold the outputs a slow reader missed into one: the latest state, with the deltas joined."""
-    for item in items:
-        if isinstance(item, BaseException):
-            raise item
-    if not items:
-        return None
-    latest = items[-1]
-    if len(items) > 1:
-        deltas: dict[int, str] = {}
-        for item in items:
-            for index, text in item.deltas.items():
-                deltas[index] = deltas.get(index, "") + text
-        latest.deltas = deltas
-    return latest

@@ -52,21 +52,37 @@ def known_peaks(device: torch.device, peak_tflops: float | None = None,
                        given=peak_tflops is not None and peak_bandwidth_gbs is not None)
 
 
+class PeakProbe(threading.Thread):
+    """The background measurement; stop() ends it between two short runs and waits for it."""
+
+    def __init__(self, run: Callable[[], None], stopping: threading.Event) -> None:
+        super().__init__(target=run, name="tokenmill-peaks")
+        self.stopping = stopping
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stopping.set()
+        self.join(timeout)
+
+
 def measure_cpu_when_idle(peaks: DevicePeaks, is_idle: Callable[[], bool], peak_tflops: float | None = None,
-                          peak_bandwidth_gbs: float | None = None) -> threading.Thread | None:
-    """Unless both figures are given: start a daemon thread that measures this CPU once the engine
-    has been idle for a while and the machine is quiet (each short run only while both still hold),
-    records the result and fills in the figures not given."""
+                          peak_bandwidth_gbs: float | None = None) -> PeakProbe | None:
+    """Unless both figures are given: start a thread that measures this CPU once the engine has been
+    idle for a while and the machine is quiet (each short run only while both still hold), records
+    the result and fills in the figures not given. Stop it before the process exits."""
     if peaks.given:
         return None
+    stopping = threading.Event()
+
+    def idle() -> bool:
+        return not stopping.is_set() and is_idle()
 
     def quiet() -> bool:
-        return is_idle() and hardware.machine_busy_fraction() <= MAX_BUSY_FRACTION and is_idle()
+        return idle() and hardware.machine_busy_fraction() <= MAX_BUSY_FRACTION and idle()
 
     def run() -> None:
-        while True:
+        while not stopping.is_set():
             idle_since = time.monotonic()
-            while is_idle():
+            while idle():
                 if time.monotonic() - idle_since >= IDLE_SECONDS_BEFORE_MEASURING and quiet():
                     measured = hardware.measure_cpu_peaks(between_runs=quiet)
                     if measured is None:  # work arrived before the first run: wait for the next lull
@@ -77,9 +93,9 @@ def measure_cpu_when_idle(peaks: DevicePeaks, is_idle: Callable[[], bool], peak_
                         peaks.bandwidth = measured.bandwidth_gbs * 1e9
                     logger.info("CPU peaks: %.2f TFLOP/s, %.1f GB/s", measured.bf16_tflops, measured.bandwidth_gbs)
                     return
-                time.sleep(0.1)
-            time.sleep(0.5)
+                stopping.wait(0.1)
+            stopping.wait(0.5)
 
-    thread = threading.Thread(target=run, name="tokenmill-peaks", daemon=True)
-    thread.start()
-    return thread
+    probe = PeakProbe(run, stopping)
+    probe.start()
+    return probe

@@ -1,4 +1,8 @@
-"""LLMEngine: the step loop (schedule -> execute -> update -> detokenize) and request intake."""
+"""LLMEngine: the step loop (schedule -> execute -> update -> outputs) and request intake.
+
+A step that raises is retried one sequence at a time, so that only the request that makes it
+fail fails; everything else in the step goes on, and the waiting queue is never touched.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +11,21 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
-
 from tokenmill.config import EngineConfig
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.kv_cache_manager import KVCacheManager, KVCacheStats
 from tokenmill.engine.metrics import StepStats
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.errors import InvalidParameterError
+from tokenmill.engine.scheduler_output import SchedulerOutput
+from tokenmill.errors import EngineDeadError, InvalidParameterError
 from tokenmill.executor.base import Executor, create_executor
-from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.platform import available_memory_bytes, resolve_device, resolve_dtype, set_cpu_threads
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Group:
-    """The n samples of one user request."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
 
 
 @dataclass
@@ -71,11 +63,10 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
         self.executor.init_kv_cache(num_blocks)
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self._seed_rng = random.Random(config.seed)
         self.num_steps = 0
         self.last_step: StepStats | None = None
-        self._groups: dict[str, _Group] = {}
-        self._child_to_group: dict[str, tuple[_Group, int]] = {}
         logger.info(
             "loaded %s (%s, %s on %s): %d KV blocks of %d tokens",
             self.model_path.name, self.model_config.architecture, self.dtype, self.device, num_blocks, cache.block_size,
@@ -102,16 +93,23 @@ class LLMEngine:
         return self.input_processor.tokenize(prompt, add_special_tokens)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a prompt against the limits; returns the effective max_tokens."""
+        """Check a prompt and its parameters against the model and the limits; returns the effective
+        max_tokens. Whatever passes cannot make a batched step fail."""
         if not prompt_token_ids:
             raise InvalidParameterError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+        if any(type(t) is not int or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidParameterError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
         self.scheduler.check_fits(len(prompt_token_ids), max_tokens)
+        if params.min_tokens > max_tokens:
+            raise InvalidParameterError(
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this prompt can generate",
+                param="min_tokens")
         return max_tokens
 
     def add_request(
@@ -122,12 +120,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
         prompt_text: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         """Queue a request (n samples). Raises a TokenmillError if it can never be served.
 
         prompt_text: the text of a prompt given as token ids, echoed back in the outputs.
         """
-        if request_id in self._groups:
+        if request_id in self.outputs.groups:
             raise InvalidParameterError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_text = prompt if isinstance(prompt, str) else prompt_text
         prompt_token_ids = self.tokenize(prompt, add_special_tokens)
@@ -148,109 +147,73 @@ class LLMEngine:
                     arrival_time=arrival,
                 )
             )
-        group = _Group(
-            request_id, prompt_text, prompt_token_ids, children,
-            [IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) for _ in children],
-        )
         for child in children:
             self.scheduler.add_request(child)
-        self._groups[request_id] = group
-        for index, child in enumerate(children):
-            self._child_to_group[child.request_id] = (group, index)
+        self.outputs.add(request_id, prompt_text, children, output_kind)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output."""
-        group = self._groups.get(request_id)
+        return self._end_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _end_request(self, request_id: str, status: RequestStatus, error: BaseException | None = None):
+        group = self.outputs.groups.get(request_id)
         if group is None:
             return None
         for child in group.children:
-            self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
-        return self._finish_group_if_done(group, {})
+            self.scheduler.finish_request(child.request_id, status)
+        return self.outputs.finish(request_id, error)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def unfinished_request_ids(self) -> list[str]:
-        return list(self._groups)
+        return list(self.outputs.groups)
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns an output for every request that made progress."""
+        """One engine iteration; returns an output for every request that made progress (a request
+        the engine failed on comes back finished with its `error`). Raises EngineDeadError only."""
         start = time.time()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        sampled = self.executor.execute(scheduler_output)
-        updated = self.scheduler.update(scheduler_output, sampled)
-        outputs = self._process_outputs(updated)
+        try:
+            sampled = self.executor.execute(scheduler_output)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # find the request that causes it; everything else goes on
+            logger.error("engine step failed (%s); retrying its %d sequences one at a time",
+                         type(exc).__name__, len(scheduler_output.sequences), exc_info=exc)
+            outputs, num_sampled = self._step_one_at_a_time(scheduler_output)
+        else:
+            updated = self.scheduler.update(scheduler_output, sampled)
+            outputs, num_sampled = self.outputs.process(updated), len(updated)
         self.num_steps += 1
-        self.last_step = StepStats.from_schedule(scheduler_output, len(updated), start, time.time() - start)
+        self.last_step = StepStats.from_schedule(scheduler_output, num_sampled, start, time.time() - start)
         return outputs
 
-    def _process_outputs(self, updated: list[Request]) -> list[RequestOutput]:
-        deltas_by_group: dict[str, dict[int, str]] = {}
-        for request in updated:
-            group, index = self._child_to_group[request.request_id]
-            detokenizer = group.detokenizers[index]
-            token_id = request.output_token_ids[-1]
-            if request.status == RequestStatus.FINISHED_STOPPED:
-                delta = detokenizer.finish()  # the stop or EOS token adds no text
-            else:
-                delta = detokenizer.add_token(token_id, flush=request.is_finished)
-                if detokenizer.stop_string is not None:
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-                    # also when the length limit already ended it on the token that completed the stop string
-                    request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_string
-            if request.logprobs is not None:
-                self._decode_logprobs(request)
-            deltas_by_group.setdefault(group.request_id, {})[index] = delta
-        outputs = []
-        for group_id, deltas in deltas_by_group.items():
-            group = self._groups[group_id]
-            finished = self._finish_group_if_done(group, deltas)
-            outputs.append(finished or self._make_output(group, deltas))
-        return outputs
-
-    def _decode_logprobs(self, request: Request) -> None:
-        for token_id, logprob in request.logprobs[-1].items():
-            if logprob.decoded_token is None:
-                logprob.decoded_token = self.tokenizer.decode([token_id])
-
-    def _finish_group_if_done(self, group: _Group, deltas: dict[int, str]) -> RequestOutput | None:
-        if not all(c.is_finished for c in group.children):
-            return None
-        for index, child in enumerate(group.children):
-            rest = group.detokenizers[index].finish()
-            if rest:
-                deltas[index] = deltas.get(index, "") + rest
-        del self._groups[group.request_id]
-        for child in group.children:
-            del self._child_to_group[child.request_id]
-        return self._make_output(group, deltas)
-
-    def _make_output(self, group: _Group, deltas: dict[int, str]) -> RequestOutput:
-        outputs = []
-        for child, detok in zip(group.children, group.detokenizers):
-            outputs.append(
-                CompletionOutput(
-                    index=child.index,
-                    text=detok.text[: detok.num_emitted],
-                    token_ids=list(child.output_token_ids),
-                    finish_reason=child.status.finish_reason,
-                    stop_reason=child.stop_reason,
-                    logprobs=child.logprobs,
-                )
-            )
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=outputs,
-            finished=all(c.is_finished for c in group.children),
-            metrics=_group_metrics(group.children),
-            num_cached_tokens=group.children[0].num_cached_tokens,
-            deltas=deltas,
-        )
+    def _step_one_at_a_time(self, scheduler_output: SchedulerOutput) -> tuple[list[RequestOutput], int]:
+        outputs: list[RequestOutput] = []
+        num_sampled = 0
+        for seq in scheduler_output.sequences:
+            if seq.request_id not in self.scheduler.requests:  # a sibling failed before it
+                continue
+            alone = SchedulerOutput([seq])
+            try:
+                sampled = self.executor.execute(alone)
+            except EngineDeadError:
+                raise
+            except Exception as exc:
+                request = self.scheduler.requests[seq.request_id]
+                logger.error("request %s fails the engine step: %s", request.parent_id, type(exc).__name__)
+                failed = self._end_request(request.parent_id, RequestStatus.FINISHED_ERROR, exc)
+                if failed is not None:
+                    outputs.append(failed)
+                continue
+            updated = self.scheduler.update(alone, sampled)
+            num_sampled += len(updated)
+            outputs += self.outputs.process(updated)
+        return outputs, num_sampled
 
     def check_health(self) -> None:
         """Raise EngineDeadError if part of the engine (a tensor-parallel worker) is gone."""
@@ -273,20 +236,3 @@ class LLMEngine:
 
 def _sample_seed(seed: int, index: int) -> int:
     return (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
-
-
-def _group_metrics(children: list[Request]) -> RequestMetrics:
-    first = children[0].metrics
-
-    def earliest(values):
-        values = [v for v in values if v is not None]
-        return min(values) if values else None
-
-    finished = [c.metrics.finished_time for c in children]
-    return RequestMetrics(
-        arrival_time=first.arrival_time,
-        first_scheduled_time=earliest(c.metrics.first_scheduled_time for c in children),
-        first_token_time=earliest(c.metrics.first_token_time for c in children),
-        finished_time=None if None in finished else max(finished),
-        num_preemptions=sum(c.metrics.num_preemptions for c in children),
-    )

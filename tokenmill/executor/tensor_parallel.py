@@ -152,10 +152,10 @@ class TensorParallelExecutor:
         try:
             broadcast_step(self.comm.group, batch)
             logits = self.runner.forward(batch)
-        except RuntimeError as exc:  # a collective failed: most likely a worker is gone
+        except Exception as exc:  # a collective failed, or the ranks are out of step: nothing can be retried
             self.check_health()
             raise WorkerDiedError(f"tensor-parallel step failed: {exc}") from exc
-        return self.runner.sample(scheduler_output, logits)
+        return self.runner.sample(scheduler_output, logits)  # rank 0 alone: a failure here can be retried
 
     def check_health(self) -> None:
         for rank, worker in enumerate(self.workers, start=1):

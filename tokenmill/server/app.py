@@ -125,10 +125,15 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
 
     @app.get("/health")
     async def health() -> Response:
+        """The process is up and its engine alive (a dead engine is a restart, not a wait)."""
+        if ctx.engine.fatal_error is not None:
+            return error_response(ctx.engine.fatal_error)
         return Response(status_code=200)
 
     @app.get("/ready")
     async def ready() -> Response:
+        if ctx.engine.fatal_error is not None:
+            return JSONResponse({"status": "dead"}, status_code=503)
         if ctx.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ready"})

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -22,6 +23,7 @@ from tokenmill.server.serving_common import ServerContext
 logger = logging.getLogger("tokenmill.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+FATAL_EXIT_DELAY_SECONDS = 2.0
 
 
 @dataclass
@@ -122,9 +124,6 @@ def serve(options: ServeOptions) -> int:
     cost_model = _cost_model(engine, options)
     metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window))
     async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step)
-    if engine.device.type == "cpu":  # refine (or find) this CPU's peaks while nothing is being served
-        measure_cpu_when_idle(cost_model.peaks, lambda: async_engine.is_idle, options.peak_tflops,
-                              options.peak_bandwidth_gbs)
     ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts)
     app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False)
     config = uvicorn.Config(
@@ -141,13 +140,21 @@ def serve(options: ServeOptions) -> int:
     while not async_engine.wait_attached(timeout=0.2):
         if not http_thread.is_alive():  # uvicorn could not start (port in use, ...)
             return 1
+    probe = None
     try:
-        async_engine.run_engine_loop()
+        if engine.device.type == "cpu":  # refine (or find) this CPU's peaks while nothing is being served
+            probe = measure_cpu_when_idle(cost_model.peaks, lambda: async_engine.is_idle, options.peak_tflops,
+                                          options.peak_bandwidth_gbs)
+        async_engine.run_engine_loop()  # returns on shutdown, or when the engine died (fatal_error)
         if async_engine.fatal_error is not None:
             logger.error("shutting down: %s", async_engine.fatal_error.message)
-            server.should_exit = True
+            # a moment for in-flight streams to send their error and for health checks to see 503s
+            time.sleep(FATAL_EXIT_DELAY_SECONDS)
+            server.should_exit = True  # then exit 1, for the supervisor to restart us
         http_thread.join()
     finally:
+        if probe is not None:
+            probe.stop()
         engine.shutdown()
     if async_engine.fatal_error is not None:
         return 1

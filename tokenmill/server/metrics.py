@@ -153,8 +153,8 @@ class ServingMetrics:
             n = len(output.outputs)
             progress = self._progress[output.request_id] = _Progress([0] * n, [None] * n)
         arrival = output.metrics.arrival_time
-        for index, sample in enumerate(output.outputs):
-            num_new = len(sample.token_ids) - progress.num_output_tokens[index]
+        for index, sample in enumerate(output.outputs):  # delta outputs: each holds only the new tokens
+            num_new = len(sample.token_ids)
             if num_new <= 0:
                 continue
             last = progress.last_token_time[index]

@@ -24,7 +24,7 @@ async def create_chat_completion(
     num_top = body.num_logprobs()
     params = body.sampling_params(max_tokens, num_top, ctx.vocab_size)
     ctx.validate(prompt_token_ids, params)
-    ctx.check_accepting()
+    ctx.check_accepting(body.n)
 
     request_id = f"chatcmpl-{log.request_id}"
     log.is_generation = True
@@ -42,8 +42,7 @@ def _response(header: dict, final: RequestOutput, num_top: int | None, log: Resp
     for sample in final.outputs:
         logprobs = None
         if num_top is not None:
-            logprobs = {"content": _logprobs(sample.logprobs or [], sample.token_ids, 0, len(sample.token_ids),
-                                             num_top)}
+            logprobs = {"content": _logprobs(sample.logprobs or [], sample.token_ids, num_top)}
         choices.append({
             "index": sample.index,
             "message": {"role": "assistant", "content": sample.text},
@@ -66,8 +65,7 @@ async def _chunks(body: ChatCompletionRequest, header: dict, streams: list[Async
         for update in updates:
             logprobs = None
             if num_top is not None:
-                logprobs = {"content": _logprobs(update.logprobs or [], update.token_ids, update.start,
-                                                 update.end, num_top)}
+                logprobs = {"content": _logprobs(update.logprobs or [], update.token_ids, num_top)}
             elif not update.text and update.finish_reason is None:
                 continue
             delta = {"content": update.text} if update.text else {}
@@ -81,11 +79,10 @@ def _chunk(header: dict, index: int, delta: dict, logprobs: dict | None, finish_
                                    "finish_reason": finish_reason}]}
 
 
-def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], start: int, end: int,
-              num_top: int) -> list[dict]:
-    """Chat logprobs content entries for tokens [start, end)."""
+def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num_top: int) -> list[dict]:
+    """Chat logprobs content entries of these tokens."""
     content = []
-    for token_id, entry in zip(token_ids[start:end], entries[start:end]):
+    for token_id, entry in zip(token_ids, entries):
         chosen = entry[token_id]
         content.append({
             **_token_logprob(chosen),

@@ -17,7 +17,7 @@ from starlette.types import Receive
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.errors import ModelNotFoundError, ServerBusyError, TokenmillError
-from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.outputs import Logprob, RequestOutput, merge_deltas
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import error_body
 from tokenmill.server.metrics import ServingMetrics
@@ -60,12 +60,13 @@ class ServerContext:
             raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                                      param="model")
 
-    def check_accepting(self) -> None:
-        """503 while draining or when the waiting queue is full."""
+    def check_accepting(self, num_seqs: int) -> None:
+        """503 while draining, when the engine is dead or the waiting queue has no room for
+        num_seqs more sequences; 400 for a request that could never fit the queue."""
         try:
             if self.draining:
                 raise ServerBusyError("the server is shutting down")
-            self.engine.check_capacity()
+            self.engine.check_capacity(num_seqs)
         except ServerBusyError:
             self.metrics.observe_rejection("draining" if self.draining else "queue_full")
             raise
@@ -192,29 +193,27 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 async def collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """Run requests to the end; their final outputs in stream order."""
+    """Run requests to the end; each one's deltas folded into its whole output, in stream order."""
     finals: list[RequestOutput | None] = [None] * len(streams)
     async for index, output in merge_streams(streams):
-        finals[index] = output
+        finals[index] = output if finals[index] is None else merge_deltas(finals[index], output)
     return finals  # type: ignore[return-value]
 
 
 @dataclass
 class ChoiceUpdate:
-    """What changed in one choice since the last update: new text, new tokens [start:end), finish."""
+    """What one choice gained from one engine output: text, token ids (and their logprobs), finish."""
 
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
-    start: int
-    end: int
     finish_reason: str | None
 
 
 @dataclass
 class ChoiceTracker:
-    """Turns the outputs of k prompts x n samples into per-choice updates (choice = prompt * n + sample)."""
+    """Turns the delta outputs of k prompts x n samples into per-choice updates (choice = prompt * n + sample)."""
 
     n: int
     num_tokens: dict[int, int] = field(default_factory=dict)
@@ -226,15 +225,12 @@ class ChoiceTracker:
             index = prompt_index * self.n + sample.index
             if index in self.finished:
                 continue
-            start, end = self.num_tokens.get(index, 0), len(sample.token_ids)
-            self.num_tokens[index] = end
-            text = output.deltas.get(sample.index, "")
+            self.num_tokens[index] = self.num_tokens.get(index, 0) + len(sample.token_ids)
             if sample.finish_reason is not None:
                 self.finished.add(index)
-            elif not text and start == end:
+            elif not sample.text and not sample.token_ids:
                 continue
-            result.append(ChoiceUpdate(index, text, sample.token_ids, sample.logprobs, start, end,
-                                       sample.finish_reason))
+            result.append(ChoiceUpdate(index, sample.text, sample.token_ids, sample.logprobs, sample.finish_reason))
         return result
 
     @property

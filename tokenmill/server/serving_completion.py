@@ -27,7 +27,7 @@ async def create_completion(
     prompt_token_ids = [ctx.inputs.tokenize(p) for p in prompts]
     for ids in prompt_token_ids:
         ctx.validate(ids, params)
-    ctx.check_accepting()
+    ctx.check_accepting(len(prompts) * body.n)
 
     request_id = f"cmpl-{log.request_id}"
     log.is_generation = True
@@ -54,8 +54,7 @@ def _response(body: CompletionRequest, header: dict, finals: list[RequestOutput]
             prefix = echoes[prompt_index] if echoes else ""
             logprobs = None
             if body.logprobs is not None:
-                logprobs = _logprobs(sample.logprobs or [], sample.token_ids, 0, len(sample.token_ids),
-                                     body.logprobs, 0)
+                logprobs = _logprobs(sample.logprobs or [], sample.token_ids, body.logprobs, 0)
             choices.append({
                 "index": prompt_index * body.n + sample.index,
                 "text": prefix + sample.text,
@@ -79,8 +78,7 @@ async def _chunks(body: CompletionRequest, header: dict, streams: list[AsyncIter
             logprobs = None
             if body.logprobs is not None:
                 offset = text_offsets.get(update.index, 0)
-                logprobs = _logprobs(update.logprobs or [], update.token_ids, update.start, update.end,
-                                     body.logprobs, offset)
+                logprobs = _logprobs(update.logprobs or [], update.token_ids, body.logprobs, offset)
                 text_offsets[update.index] = offset + sum(len(t) for t in logprobs["tokens"])
             elif not update.text and update.finish_reason is None:
                 continue
@@ -94,11 +92,10 @@ def _chunk(header: dict, index: int, text: str, logprobs: dict | None, finish_re
                                    "finish_reason": finish_reason}]}
 
 
-def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], start: int, end: int, num_top: int,
-              text_offset: int) -> dict:
-    """The legacy completions logprobs object for tokens [start, end)."""
+def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num_top: int, text_offset: int) -> dict:
+    """The legacy completions logprobs object of these tokens, the first at text_offset."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids[start:end], entries[start:end]):
+    for token_id, entry in zip(token_ids, entries):
         chosen = entry[token_id]
         text = chosen.decoded_token or ""
         tokens.append(text)
