@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from server_harness import read_event, start_server
+from server_harness import read_event, start_server, wait_until
 
 # Kills the engine loop (outside engine.step) when a request with this prompt arrives.
 KILL_ENGINE_LOOP = '''
@@ -16,6 +17,37 @@ def _apply(self, commands):
     return _real_apply(self, commands)
 async_engine.AsyncLLMEngine._apply = _apply
 '''
+
+
+# A tokenizer that takes 1.5 s for one prompt, as a huge prompt would; it touches a file when it starts.
+SLOW_TOKENIZER = '''
+import pathlib, time
+from tokenmill.engine import input_processor
+_real_tokenize = input_processor.InputProcessor.tokenize
+def tokenize(self, prompt, add_special_tokens=True):
+    if prompt == "slow to tokenize":
+        pathlib.Path(MARKER).touch()
+        time.sleep(1.5)
+    return _real_tokenize(self, prompt, add_special_tokens)
+input_processor.InputProcessor.tokenize = tokenize
+'''
+
+
+def test_tokenizing_runs_off_the_event_loop(tiny_llama_dir, tmp_path):
+    marker = tmp_path / "tokenizing"
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path,
+                          prelude=f"MARKER = {str(marker)!r}\n{SLOW_TOKENIZER}")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            slow = pool.submit(server.post, "/tokenize", {"prompt": "slow to tokenize"})
+            assert wait_until(marker.exists, 10)  # the slow call has started: /health must not wait for it
+            start = time.perf_counter()
+            assert server.request("GET", "/health").status == 200
+            health_seconds = time.perf_counter() - start
+            assert slow.result().status == 200
+        assert health_seconds < 0.5
+    finally:
+        assert server.stop() == 0
 
 
 def test_a_dead_engine_loop_fails_everything_at_once_and_exits_nonzero(tiny_llama_dir, tmp_path):

@@ -9,6 +9,13 @@ from tokenmill.errors import InvalidParameterError
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # the detokenizer holds back this much text at most
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -38,13 +45,14 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        else:
-            self.stop_strings = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        try:
+            self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        except TypeError:
+            raise InvalidParameterError("stop must be a string or a list of strings", param="stop") from None
+        try:
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        except TypeError:
+            raise InvalidParameterError("stop_token_ids must be a list of token ids", param="stop_token_ids") from None
         self._validate()
 
     @property
@@ -66,39 +74,56 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(param: str, why: str) -> InvalidParameterError:
-            return InvalidParameterError(f"{param} {why}, got {getattr(self, param)!r}", param=param)
+            shown = repr(getattr(self, param))
+            shown = shown if len(shown) <= 80 else shown[:80] + "..."
+            return InvalidParameterError(f"{param} {why}, got {shown}", param=param)
 
-        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+        def number(param: str) -> float:
+            value = getattr(self, param)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise bad(param, "must be a number")
+            return value
+
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"must be an integer in [1, {MAX_N}]")
-        if not 0.0 <= self.temperature <= 2.0:
+        if not 0.0 <= number("temperature") <= 2.0:
             raise bad("temperature", "must be in [0, 2]")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < number("top_p") <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:  # above the vocabulary: no top-k
             raise bad("top_k", "must be -1 (disabled) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= number("min_p") <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
+        if not 0.0 < number("repetition_penalty") <= 2.0:
             raise bad("repetition_penalty", "must be in (0, 2]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if not -2.0 <= number("presence_penalty") <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not -2.0 <= number("frequency_penalty") <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be a positive integer")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer")
         if len(self.stop_strings) > MAX_STOP_STRINGS:
             raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings")
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
-        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
-            raise bad("logit_bias", "values must be in [-100, 100]")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop_strings):
+            raise bad("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, OverflowError):
+                raise bad("logit_bias", "must map token ids to numbers") from None
+            if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be in [-100, 100]")
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
+            raise bad("ignore_eos", "ignore_eos and skip_special_tokens must be booleans")

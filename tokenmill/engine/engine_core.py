@@ -97,15 +97,15 @@ class LLMEngine:
         max_tokens. Whatever passes cannot make a batched step fail."""
         if not prompt_token_ids:
             raise InvalidParameterError("the prompt is empty", param="prompt")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
+        self.scheduler.check_fits(len(prompt_token_ids), max_tokens)
         vocab = self.model_config.vocab_size
         if any(type(t) is not int or not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidParameterError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
-        self.scheduler.check_fits(len(prompt_token_ids), max_tokens)
         if params.min_tokens > max_tokens:
             raise InvalidParameterError(
                 f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this prompt can generate",

@@ -30,6 +30,18 @@ class InputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token in the vocabulary (as the tokenizer spells it, an upper
+        bound of its text): a text longer than max_model_len times this can never fit the context."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, max((len(t) for t in self.tokenizer.get_vocab()), default=1))
+        return self._max_token_chars
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
 
     def tokenize(self, prompt: PromptType, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt; token-id prompts pass through as they are."""

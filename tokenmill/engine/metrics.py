@@ -85,11 +85,15 @@ class UtilizationWindow:
 
     def add(self, step: StepStats) -> None:
         self._steps.append(step)
+        self._prune(step.start_time + step.duration)  # bounded even when nobody reads the window
 
-    def _totals(self, now: float) -> tuple[_WindowTotals, float]:
+    def _prune(self, now: float) -> None:
         horizon = now - self.window_seconds
         while self._steps and self._steps[0].start_time + self._steps[0].duration < horizon:
             self._steps.popleft()
+
+    def _totals(self, now: float) -> tuple[_WindowTotals, float]:
+        self._prune(now)
         totals = _WindowTotals()
         for step in self._steps:
             totals.busy += step.duration

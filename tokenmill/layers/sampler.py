@@ -96,7 +96,7 @@ def _apply_logit_bias_and_bans(logits: torch.Tensor, specs: list[SamplingSpec]) 
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
     device = logits.device
     vocab = logits.shape[1]
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in specs], device=device)
+    top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in specs], device=device)
     top_p = torch.tensor([s.params.top_p for s in specs], dtype=logits.dtype, device=device)
     min_p = torch.tensor([s.params.min_p for s in specs], dtype=logits.dtype, device=device)
     if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -32,20 +33,49 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody
 Handler = Callable[[ServerContext, BaseModel, Callable, ResponseLog], Awaitable[Response]]
 
 
-async def read_json_object(request: Request) -> dict:
-    """The request body as a JSON object, or a 400 saying what is wrong with it."""
-    raw = await request.body()
+LARGE_BODY_BYTES = 1 << 20  # bodies above this are parsed on a worker thread
 
+
+async def read_json_object(request: Request) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it: not JSON, not an
+    object, nested too deeply, or holding text that is not valid Unicode (a lone surrogate escape)."""
+    raw = await request.body()
+    body = await asyncio.to_thread(_parse_json, raw) if len(raw) > LARGE_BODY_BYTES else _parse_json(raw)
+    if not isinstance(body, dict):
+        raise InvalidParameterError("the request body must be a JSON object")
+    if b"\\ud" in raw.lower():  # an escaped surrogate: valid only as a high + low pair
+        _check_unicode(body)
+    return body
+
+
+def _parse_json(raw: bytes):
     def reject_constant(name: str) -> float:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        body = json.loads(raw, parse_constant=reject_constant)
+        return json.loads(raw, parse_constant=reject_constant)
+    except RecursionError:
+        raise InvalidParameterError("the request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidParameterError(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidParameterError("the request body must be a JSON object")
-    return body
+
+
+def _check_unicode(value) -> None:
+    """400 if any string (key or value) cannot be encoded as UTF-8."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidParameterError("the request body holds text that is not valid Unicode "
+                                            "(an unpaired surrogate)") from None
 
 
 def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -120,7 +150,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     @app.get("/v1/models")
     async def models() -> Response:
         card = {"id": ctx.model_name, "object": "model", "created": now_seconds(), "owned_by": "tokenmill",
-                "root": str(ctx.engine.engine.model_path), "max_model_len": ctx.max_model_len}
+                "root": ctx.model_name, "max_model_len": ctx.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/health")
@@ -162,14 +192,20 @@ async def _tokenize(ctx: ServerContext, body: TokenizeRequest, receive, log: Res
     if (body.prompt is None) == (body.messages is None):
         raise InvalidParameterError("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        _, tokens = ctx.inputs.tokenize_chat(to_conversation(body.messages), body.add_generation_prompt)
+        conversation = to_conversation(body.messages)
+        ctx.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
+        _, tokens = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt)
     else:
-        tokens = ctx.inputs.tokenize(body.prompt, body.add_special_tokens)
+        ctx.check_text_length(len(body.prompt), "prompt")
+        tokens = await ctx.off_loop(ctx.inputs.tokenize, body.prompt, body.add_special_tokens)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
 
 
 async def _detokenize(ctx: ServerContext, body: DetokenizeRequest, receive, log: ResponseLog) -> Response:
     ctx.check_model(body.model)
+    if len(body.tokens) > ctx.max_model_len:
+        raise InvalidParameterError(
+            f"{len(body.tokens)} tokens are more than the context holds ({ctx.max_model_len})", param="tokens")
     if any(t >= ctx.vocab_size for t in body.tokens):
         raise InvalidParameterError(f"token ids must be in [0, {ctx.vocab_size})", param="tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": await ctx.off_loop(ctx.inputs.decode, body.tokens)})

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 
@@ -120,11 +121,13 @@ def serve(options: ServeOptions) -> int:
             max_model_len=options.max_model_len,
         ),
     ))
-    model_name = options.served_model_name or options.model or DEFAULT_MODEL_NAME
+    # A name, never a path, is what /v1/models shows; the --model argument as given is accepted too.
+    model_name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_MODEL_NAME)
     cost_model = _cost_model(engine, options)
     metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window))
     async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step)
-    ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts)
+    ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts,
+                        model_aliases=frozenset({options.model} if options.model else ()))
     app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False)
     config = uvicorn.Config(
         app, host=options.host, port=options.port, log_config=None, access_log=False,

@@ -85,6 +85,9 @@ class AccessLogMiddleware:
             return
         start = time.time()
         log = ResponseLog()
+        given_id = _sanitized_request_id(dict(scope["headers"]).get(b"x-request-id", b""))
+        if given_id:
+            log.request_id = given_id
         scope.setdefault("state", {})["log"] = log
         status = 0
 
@@ -101,16 +104,30 @@ class AccessLogMiddleware:
             _log_line(scope, status or 500, log, start)
 
 
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.:")
+
+
+def _sanitized_request_id(raw: bytes) -> str:
+    """A client's X-Request-Id with only letters, digits and -_.: kept, at most 128 of them."""
+    return bytes(c for c in raw[: 4 * MAX_REQUEST_ID_CHARS] if c in _REQUEST_ID_CHARS)[:MAX_REQUEST_ID_CHARS].decode()
+
+
+def _escaped(text: str) -> str:
+    """Text for one log line: control and non-ASCII characters as escapes, so nothing can forge a line."""
+    return "".join(c if " " <= c < "\x7f" else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _log_line(scope: Scope, status: int, log: ResponseLog, start: float) -> None:
     now = time.time()
     client = scope.get("client")
     parts = [
-        f"{client[0] if client else '-'} {scope['method']} {scope['path']} {status}",
+        f"{client[0] if client else '-'} {_escaped(scope['method'])} {_escaped(scope['path'])} {status}",
         f"request_id={log.request_id}",
     ]
     if log.is_generation:
         ttft = f"{log.first_token_time - start:.3f}s" if log.first_token_time else "-"
         parts.append(f"prompt_tokens={log.prompt_tokens} completion_tokens={log.completion_tokens} ttft={ttft}")
     parts.append(f"duration={now - start:.3f}s")
-    parts.extend(f"{key}={value}" for key, value in log.extra.items())
+    parts.extend(f"{key}={_escaped(str(value))}" for key, value in log.extra.items())
     access_logger.info(" ".join(parts))

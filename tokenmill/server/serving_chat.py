@@ -19,17 +19,20 @@ async def create_chat_completion(
     ctx: ServerContext, body: ChatCompletionRequest, receive: Receive, log: ResponseLog
 ) -> Response:
     ctx.check_model(body.model)
-    prompt, prompt_token_ids = ctx.inputs.tokenize_chat(body.conversation(), body.add_generation_prompt)
+    conversation = body.conversation()
+    ctx.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
+    prompt, prompt_token_ids = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to max_model_len
     num_top = body.num_logprobs()
     params = body.sampling_params(max_tokens, num_top, ctx.vocab_size)
-    ctx.validate(prompt_token_ids, params)
+    effective_max_tokens = ctx.validate(prompt_token_ids, params)
+    ctx.check_request_tokens(body.n * (len(prompt_token_ids) + effective_max_tokens))
     ctx.check_accepting(body.n)
 
     request_id = f"chatcmpl-{log.request_id}"
     log.is_generation = True
     log.prompt_tokens = len(prompt_token_ids)
-    streams = [ctx.engine.generate(request_id, prompt_token_ids, params, prompt_text=prompt)]
+    streams = [ctx.engine.generate(f"chatcmpl-{log.engine_id}", prompt_token_ids, params, prompt_text=prompt)]
     header = {"id": request_id, "created": now_seconds(), "model": ctx.model_name}
     if body.stream:
         return sse_response(_chunks(body, header, streams, num_top, log), log)

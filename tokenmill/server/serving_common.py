@@ -8,7 +8,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
@@ -16,7 +17,7 @@ from starlette.types import Receive
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.input_processor import InputProcessor
-from tokenmill.errors import ModelNotFoundError, ServerBusyError, TokenmillError
+from tokenmill.errors import InvalidParameterError, ModelNotFoundError, ServerBusyError, TokenmillError
 from tokenmill.outputs import Logprob, RequestOutput, merge_deltas
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import error_body
@@ -25,6 +26,9 @@ from tokenmill.server.metrics import ServingMetrics
 logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
+# Tokens one request may ask the engine for, prompts and outputs of all its sequences, in units of
+# max_model_len: 16 full-context sequences (n = 16 of one long chat, or many short prompts).
+MAX_REQUEST_TOKENS_IN_CONTEXTS = 16
 
 
 @dataclass
@@ -36,16 +40,37 @@ class ServerContext:
     metrics: ServingMetrics
     log_prompts: bool = False
     draining: bool = False
-    # The event loop's own tokenizer copy: HF fast tokenizers are not safe to share with the engine
-    # thread, which detokenizes with its own (a call that changes truncation settings borrows it mutably).
+    model_aliases: frozenset[str] = frozenset()  # other names clients may use (the --model argument)
+    # The server's own tokenizer copy, used only on one worker thread (off_loop): HF fast tokenizers
+    # are not safe to share across threads, and a large prompt must not stall the event loop.
     inputs: InputProcessor = field(init=False)
+    _tokenizer_thread: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.inputs = InputProcessor(copy.deepcopy(self.engine.engine.tokenizer))
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
+
+    async def off_loop(self, fn: Callable, *args):
+        """fn(*args) on the tokenizer thread: tokenizing, chat templates, detokenizing."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     @property
-    def tokenizer(self):
-        return self.inputs.tokenizer
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * self.inputs.max_token_chars
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, text that could never fit the context."""
+        if num_chars > self.max_prompt_chars:
+            raise InvalidParameterError(
+                f"the {param} has {num_chars} characters; no text over {self.max_prompt_chars} characters "
+                f"(max_model_len {self.max_model_len} x {self.inputs.max_token_chars} per token) can fit", param=param)
+
+    def check_request_tokens(self, num_tokens: int) -> None:
+        limit = MAX_REQUEST_TOKENS_IN_CONTEXTS * self.max_model_len
+        if num_tokens > limit:
+            raise InvalidParameterError(
+                f"the request asks for {num_tokens} tokens (prompt + max_tokens, times n, over its prompts); "
+                f"at most {limit} per request", param="max_tokens")
 
     @property
     def max_model_len(self) -> int:
@@ -56,8 +81,9 @@ class ServerContext:
         return self.engine.engine.model_config.vocab_size
 
     def check_model(self, name: str | None) -> None:
-        if name and name != self.model_name:
-            raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+        if name and name != self.model_name and name not in self.model_aliases:
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            raise ModelNotFoundError(f"the model {shown!r} does not exist; this server serves {self.model_name!r}",
                                      param="model")
 
     def check_accepting(self, num_seqs: int) -> None:
@@ -80,7 +106,8 @@ class ServerContext:
 class ResponseLog:
     """What the access log line reports of a request (never its text unless --log-prompts)."""
 
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the client's X-Request-Id if it sent one
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # always unique: the engine's key
     is_generation: bool = False
     prompt_tokens: int = 0
     completion_tokens: int = 0

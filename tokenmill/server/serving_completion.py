@@ -24,19 +24,24 @@ async def create_completion(
     if body.echo and body.logprobs is not None:
         raise InvalidParameterError("echo together with logprobs is not supported", param="echo")
     params = body.sampling_params(body.max_tokens, body.logprobs, ctx.vocab_size)
-    prompt_token_ids = [ctx.inputs.tokenize(p) for p in prompts]
-    for ids in prompt_token_ids:
-        ctx.validate(ids, params)
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ctx.check_text_length(len(prompt), "prompt")
+    prompt_token_ids = await ctx.off_loop(lambda: [ctx.inputs.tokenize(p) for p in prompts])
+    max_tokens = [ctx.validate(ids, params) for ids in prompt_token_ids]
+    ctx.check_request_tokens(body.n * sum(len(ids) + m for ids, m in zip(prompt_token_ids, max_tokens)))
     ctx.check_accepting(len(prompts) * body.n)
 
     request_id = f"cmpl-{log.request_id}"
     log.is_generation = True
     log.prompt_tokens = sum(len(ids) for ids in prompt_token_ids)
     prompt_texts = [p if isinstance(p, str) else None for p in prompts]
-    echoes = [text if text is not None else ctx.tokenizer.decode(ids)
-              for text, ids in zip(prompt_texts, prompt_token_ids)] if body.echo else None
+    echoes = None
+    if body.echo:
+        echoes = await ctx.off_loop(lambda: [text if text is not None else ctx.inputs.decode(ids)
+                                             for text, ids in zip(prompt_texts, prompt_token_ids)])
     streams = [
-        ctx.engine.generate(f"{request_id}-{i}", ids, params, prompt_text=text)
+        ctx.engine.generate(f"cmpl-{log.engine_id}-{i}", ids, params, prompt_text=text)
         for i, (ids, text) in enumerate(zip(prompt_token_ids, prompt_texts))
     ]
     header = {"id": request_id, "object": "text_completion", "created": now_seconds(), "model": ctx.model_name}
