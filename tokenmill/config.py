@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from tokenmill.errors import ModelLoadError
 
 DEFAULT_BLOCK_SIZE = 16
 # The KV pool's default share of memory: of the RAM available at start on CPU (other programs
 # share the machine), of the memory left free after the weights on CUDA.
 DEFAULT_KV_CACHE_FRACTION = {"cpu": 0.05, "cuda": 0.8}
 OTHER_DEVICE_KV_CACHE_FRACTION = 0.1
+
+
+# Upper bounds far above any real model's, low enough that nothing absurd is ever allocated.
+_INT_BOUNDS = {
+    "vocab_size": 1 << 24, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1024,
+    "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 1024, "max_position_embeddings": 1 << 24,
+}
 
 
 @dataclass
@@ -33,6 +43,30 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Every field within sane bounds and of its type, before anything is allocated from it."""
+
+        def check(name: str, ok: bool, why: str) -> None:
+            if not ok:
+                shown = repr(getattr(self, name))
+                raise ModelLoadError(f"model config: {name} {why}, got {shown[:80]}")
+
+        for name, upper in _INT_BOUNDS.items():
+            value = getattr(self, name)
+            check(name, type(value) is int and 1 <= value <= upper, f"must be an integer in [1, {upper}]")
+        check("num_key_value_heads", self.num_attention_heads % self.num_key_value_heads == 0,
+              f"must divide num_attention_heads ({self.num_attention_heads})")
+        check("head_dim", self.head_dim % 2 == 0, "must be even (rotary embeddings rotate pairs)")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            check(name, isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                  and value > 0, "must be a positive number")
+        check("rope_scaling", self.rope_scaling is None or isinstance(self.rope_scaling, dict), "must be an object")
+        check("sliding_window", self.sliding_window is None or (type(self.sliding_window) is int
+                                                                 and self.sliding_window > 0), "must be positive")
+        check("eos_token_ids", all(type(t) is int and 0 <= t < self.vocab_size for t in self.eos_token_ids),
+              f"must be token ids below vocab_size ({self.vocab_size})")
 
     @property
     def num_query_groups(self) -> int:

@@ -31,7 +31,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] for the given rope_scaling dict (HF's keys)."""
+    """Inverse frequencies [head_dim // 2] for the given rope_scaling dict (HF's keys); a malformed
+    one is a ModelLoadError."""
+    try:
+        inv_freq = _scaled_inv_freq(head_dim, theta, scaling)
+    except (KeyError, TypeError, ValueError, RuntimeError, ZeroDivisionError) as exc:
+        raise ModelLoadError(f"malformed rope_scaling {repr(scaling)[:120]}: {type(exc).__name__} {exc}") from None
+    if inv_freq.shape != (head_dim // 2,) or not torch.isfinite(inv_freq).all():
+        raise ModelLoadError(f"rope_scaling {repr(scaling)[:120]} does not give {head_dim // 2} finite frequencies")
+    return inv_freq
+
+
+def _scaled_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = _base_inv_freq(head_dim, theta)
     rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if rope_type == "default":

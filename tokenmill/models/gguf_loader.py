@@ -58,14 +58,21 @@ class GGUFFile:
         arch_name = self.metadata("general.architecture")
         arch = resolve_architecture(arch_name)
 
-        def field(suffix: str, default=None):
+        def number(suffix: str, default=None, kind=int):
             value = self.metadata(f"{arch_name}.{suffix}", default)
             if value is None:
                 raise ModelLoadError(f"{self.path.name} lacks metadata {arch_name}.{suffix}")
-            return value
+            try:
+                return kind(value)
+            except (TypeError, ValueError, OverflowError):
+                raise ModelLoadError(f"{self.path.name}: metadata {arch_name}.{suffix} must be a number, "
+                                     f"got {repr(value)[:80]}") from None
 
-        num_heads = int(field("attention.head_count"))
-        hidden = int(field("embedding_length"))
+        num_heads = number("attention.head_count")
+        hidden = number("embedding_length")
+        if num_heads < 1 or hidden % num_heads:
+            raise ModelLoadError(f"{self.path.name}: embedding_length ({hidden}) must be a multiple of "
+                                 f"attention.head_count ({num_heads})")
         vocab = self.metadata(f"{arch_name}.vocab_size")
         if vocab is None:
             tokens = self.reader.fields.get("tokenizer.ggml.tokens")
@@ -75,24 +82,29 @@ class GGUFFile:
             factors = self._tensor("rope_freqs.weight").tolist()
             rope_scaling = {"rope_type": "freq_factors", "factors": factors}
         eos = self.metadata("tokenizer.ggml.eos_token_id")
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(field("feed_forward_length")),
-            num_hidden_layers=int(field("block_count")),
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(field("attention.head_count_kv", num_heads)),
-            head_dim=int(field("attention.key_length", hidden // num_heads)),
-            rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(field("rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(field("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in self.tensor_names,
-            qk_norm=arch == "qwen3",
-            bos_token_id=self.metadata("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [int(eos)],
-        )
+        try:
+            return ModelConfig(
+                architecture=arch,
+                vocab_size=int(vocab),
+                hidden_size=hidden,
+                intermediate_size=number("feed_forward_length"),
+                num_hidden_layers=number("block_count"),
+                num_attention_heads=num_heads,
+                num_key_value_heads=number("attention.head_count_kv", num_heads),
+                head_dim=number("attention.key_length", hidden // num_heads),
+                rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-6, float),
+                rope_theta=number("rope.freq_base", 10000.0, float),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=number("context_length", 4096),
+                tie_word_embeddings="output.weight" not in self.tensor_names,
+                qk_norm=arch == "qwen3",
+                bos_token_id=self.metadata("tokenizer.ggml.bos_token_id"),
+                eos_token_ids=[] if eos is None else [int(eos)],
+            )
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{self.path.name}: {exc.message}") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{self.path.name}: malformed metadata ({exc})"[:300]) from None
 
     def _tensor(self, name: str) -> np.ndarray:
         import gguf

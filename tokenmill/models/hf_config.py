@@ -43,7 +43,15 @@ def load_hf_config_file(path: Path) -> ModelConfig:
 
 
 def parse_hf_config(cfg: dict, path: Path, generation: dict | None = None) -> ModelConfig:
-    """A config.json's contents -> ModelConfig; `path` names the file in errors."""
+    """A config.json's contents -> ModelConfig; `path` names the file in errors. Any malformed field
+    is a ModelLoadError."""
+    try:
+        return _parse(cfg, path, generation)
+    except (TypeError, AttributeError, ValueError, IndexError) as exc:  # a field of the wrong shape
+        raise ModelLoadError(f"{path.name}: malformed config ({type(exc).__name__}: {exc})"[:300]) from None
+
+
+def _parse(cfg: dict, path: Path, generation: dict | None) -> ModelConfig:
     archs = cfg.get("architectures") or [cfg.get("model_type")]
     arch = resolve_architecture(archs[0])
     if cfg.get("hidden_act", "silu") != "silu":
@@ -63,18 +71,24 @@ def parse_hf_config(cfg: dict, path: Path, generation: dict | None = None) -> Mo
     if arch == "qwen2" and not cfg.get("use_sliding_window", False):
         sliding_window = None
     try:
-        num_heads = cfg["num_attention_heads"]
+        num_heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            if type(hidden) is not int or type(num_heads) is not int or num_heads < 1 or hidden % num_heads:
+                raise ModelLoadError(f"{path}: hidden_size ({hidden!r}) must be a multiple of "
+                                     f"num_attention_heads ({num_heads!r})")
+            head_dim = hidden // num_heads
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
+            hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=num_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=_number(rope_theta, "rope_theta", path),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -86,3 +100,12 @@ def parse_hf_config(cfg: dict, path: Path, generation: dict | None = None) -> Mo
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path} lacks required field {exc.args[0]!r}") from exc
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path.name}: {exc.message}") from None
+
+
+def _number(value, name: str, path: Path) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{path}: {name} must be a number, got {value!r}"[:200]) from None

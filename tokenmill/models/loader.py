@@ -117,6 +117,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
             raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's context length {context}")
         context = max_model_len
 
+    check_fits_in_memory(config, context, dtype, device, 1 if shard is None else shard.world_size)
     if shard is None:
         net = build_model(config, context, dtype, device)
         net.load_weights(weights)
@@ -131,6 +132,23 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     if eos is not None and eos not in config.eos_token_ids:
         config.eos_token_ids.append(eos)
     return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context)
+
+
+def check_fits_in_memory(config: ModelConfig, context: int, dtype: torch.dtype, device: torch.device,
+                         world_size: int = 1) -> None:
+    """Refuse, before allocating anything, a model whose weights (this rank's share), rotary tables
+    and one KV block cannot fit the memory available now; the message gives both numbers."""
+    from tokenmill.models.model_math import ModelMath
+
+    weights = ModelMath(config).weight_bytes(str(dtype).removeprefix("torch.")) / world_size
+    rotary = 4 * context * config.head_dim * 4  # cos and sin tables in float32, and their temporaries
+    kv_block = config.kv_bytes_per_block(16, dtype.itemsize) / world_size
+    needed, available = weights + rotary + kv_block, available_memory_bytes(device)
+    if needed > available:
+        raise ModelLoadError(
+            f"the model needs {needed / 1e9:.2f} GB (weights {weights / 1e9:.2f} GB, rotary tables for "
+            f"{context} positions {rotary / 1e9:.2f} GB, one KV block) but only {available / 1e9:.2f} GB "
+            f"of {device.type} memory are available; try --max-model-len or a quantized model")
 
 
 def maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> None:

@@ -21,7 +21,7 @@ GGUF_PERMUTED_QK = {"llama", "mistral"}
 
 
 def resolve_architecture(name: str | None) -> str:
-    if name in _ARCHITECTURES:
+    if isinstance(name, str) and name in _ARCHITECTURES:
         return _ARCHITECTURES[name]
     supported = sorted({v for v in _ARCHITECTURES.values()})
-    raise ModelLoadError(f"unsupported architecture {name!r}; tokenmill runs: {', '.join(supported)}")
+    raise ModelLoadError(f"unsupported architecture {repr(name)[:80]}; tokenmill runs: {', '.join(supported)}")
