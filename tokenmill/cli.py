@@ -113,18 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "generate"):
-        from tokenmill.executor.tensor_parallel import torchrun_rendezvous
-
-        launch = torchrun_rendezvous()
-        if launch is not None:  # started by torchrun: rank 0 runs the engine, the others are its workers
-            rank, rendezvous = launch
-            if rank > 0:
-                from tokenmill.executor.tp_worker import main as worker_main
-
-                return worker_main([rendezvous.host, str(rendezvous.port), str(rank), str(rendezvous.world_size)])
-            args.tensor_parallel_size, args.rendezvous = rendezvous.world_size, rendezvous
     try:
+        if args.command in ("serve", "generate"):
+            from tokenmill.executor.tensor_parallel import torchrun_rendezvous
+
+            launch = torchrun_rendezvous()
+            if launch is not None:  # started by torchrun: rank 0 runs the engine, the others are its workers
+                rank, rendezvous = launch
+                if rank > 0:
+                    from tokenmill.executor.tp_worker import main as worker_main
+
+                    return worker_main([rendezvous.host, str(rendezvous.port), str(rank),
+                                        str(rendezvous.world_size)])
+                args.tensor_parallel_size, args.rendezvous = rendezvous.world_size, rendezvous
         return args.func(args)
     except TokenmillError as exc:
         print(f"tokenmill: error: {exc.message}", file=sys.stderr)

@@ -3,15 +3,20 @@
 The scheduler runs once, on rank 0. Each step, rank 0 broadcasts the step's ForwardInput as JSON
 over the process group; every rank runs the same forward on its shard, meeting at the
 all-reduces; only rank 0 samples. Workers are `python -m tokenmill.executor.tp_worker` processes
-that rendezvous through a TCPStore on 127.0.0.1; no Python objects are ever unpickled from the wire.
+that rendezvous through a TCPStore that rank 0 binds to 127.0.0.1 (to MASTER_ADDR under a
+multi-node torchrun). Every key lives under a random token the workers are given (in their
+environment), so another process on the machine can neither read the spec nor join the group;
+no Python objects are ever unpickled from the wire.
 """
 
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -37,8 +42,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-SPEC_KEY = "tokenmill/worker_spec"  # published before loading: every rank loads at once
-NUM_BLOCKS_KEY = "tokenmill/num_kv_blocks"  # published once rank 0 has sized the KV pool
+SPEC_KEY = "worker_spec"  # published before loading: every rank loads at once
+NUM_BLOCKS_KEY = "num_kv_blocks"  # published once rank 0 has sized the KV pool
+TOKEN_ENV = "TOKENMILL_TP_TOKEN"  # the secret under which every rank finds its keys
 
 
 class WorkerDiedError(EngineDeadError):
@@ -47,12 +53,31 @@ class WorkerDiedError(EngineDeadError):
 
 @dataclass
 class Rendezvous:
-    """Where the ranks meet: rank 0 hosts a TCPStore at host:port."""
+    """Where the ranks meet: rank 0 hosts a TCPStore at host:port (port 0: any free one)."""
 
     host: str
     port: int
     world_size: int
     spawn_workers: bool = True  # False under torchrun, which starts the other ranks itself
+    token: str = ""  # keys live under it; spawned workers get it in their environment
+
+
+def open_master_store(rendezvous: Rendezvous) -> tuple[dist.Store, socket.socket | None]:
+    """Rank 0's store, its keys under the token, and the socket it listens on (keep it open as long
+    as the store). Spawning its own workers, rank 0 hosts the store on rendezvous.host only (port 0:
+    any free one, filled in); under torchrun it joins the store torchrun hosts at MASTER_ADDR:PORT."""
+    if not rendezvous.spawn_workers:
+        return open_worker_store(rendezvous.host, rendezvous.port, rendezvous.world_size, rendezvous.token), None
+    listener = socket.create_server((rendezvous.host, rendezvous.port), backlog=128)
+    rendezvous.port = listener.getsockname()[1]
+    store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.world_size, is_master=True,
+                          timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False, master_listen_fd=listener.fileno())
+    return dist.PrefixStore(f"tokenmill/{rendezvous.token}", store), listener
+
+
+def open_worker_store(host: str, port: int, world_size: int, token: str) -> dist.Store:
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    return dist.PrefixStore(f"tokenmill/{token}", store)
 
 
 @dataclass
@@ -112,16 +137,15 @@ class TensorParallelExecutor:
             max_model_len=config.scheduler.max_model_len, block_size=config.cache.block_size,
             num_threads=torch.get_num_threads(),
         )
-        rendezvous = config.rendezvous or Rendezvous("127.0.0.1", free_port(), world)
+        rendezvous = config.rendezvous or Rendezvous("127.0.0.1", 0, world, token=secrets.token_hex(16))
         self.comm = Communicator(0, world)
         self.workers: list[subprocess.Popen] = []
         self.runner: ModelRunner | None = None
         self._stopped = False
-        self.store = dist.TCPStore(rendezvous.host, rendezvous.port, world, is_master=True,
-                                   timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+        self.store, self._listener = open_master_store(rendezvous)
         self.store.set(SPEC_KEY, json.dumps(asdict(self.spec)))
         if rendezvous.spawn_workers:
-            env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+            env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", TOKEN_ENV: rendezvous.token}
             for rank in range(1, world):
                 self.workers.append(subprocess.Popen(
                     [sys.executable, "-m", "tokenmill.executor.tp_worker", rendezvous.host, str(rendezvous.port),
@@ -184,15 +208,22 @@ class TensorParallelExecutor:
 
 
 def torchrun_rendezvous() -> tuple[int, Rendezvous] | None:
-    """(rank, rendezvous) when this process was started by torchrun with more than one rank."""
+    """(rank, rendezvous) when this process was started by torchrun with more than one rank. The
+    ranks use torchrun's store at MASTER_ADDR:MASTER_PORT; every rank needs the same
+    TOKENMILL_TP_TOKEN, which is required when the ranks span machines."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or "RANK" not in os.environ:
         return None
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-    return int(os.environ["RANK"]), Rendezvous(host, port, world, spawn_workers=False)
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token and not _is_loopback(host):
+        raise EngineDeadError(f"a multi-node launch (MASTER_ADDR={host}) needs the same secret in {TOKEN_ENV} "
+                              "on every rank")
+    return int(os.environ["RANK"]), Rendezvous(host, port, world, spawn_workers=False, token=token)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False

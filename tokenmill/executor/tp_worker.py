@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from tokenmill.errors import TokenmillError
 from tokenmill.executor.tensor_parallel import (
-    COLLECTIVE_TIMEOUT, NUM_BLOCKS_KEY, SPEC_KEY, WorkerSpec, make_group, receive_step,
+    NUM_BLOCKS_KEY, SPEC_KEY, TOKEN_ENV, WorkerSpec, make_group, open_worker_store, receive_step,
 )
 from tokenmill.layers.parallel import Communicator
 from tokenmill.models.loader import load_model
@@ -29,8 +29,11 @@ logger = logging.getLogger("tokenmill.executor.tp_worker")
 
 
 def run(host: str, port: int, rank: int, world_size: int) -> None:
-    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    spec = WorkerSpec(**json.loads(store.get(SPEC_KEY)))
+    store = open_worker_store(host, port, world_size, os.environ.get(TOKEN_ENV, ""))
+    try:
+        spec = WorkerSpec(**json.loads(store.get(SPEC_KEY)))
+    except (ValueError, TypeError) as exc:
+        raise MalformedStepError(f"the worker spec is malformed: {exc}") from None
     torch.set_num_threads(spec.num_threads)
     device = resolve_device(spec.device)
     if device.type == "cuda":
