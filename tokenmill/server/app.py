@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
@@ -31,6 +32,11 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
 Handler = Callable[[ServerContext, BaseModel, Callable, ResponseLog], Awaitable[Response]]
+# The routes read their bodies themselves (for OpenAI-shaped errors); the schema still describes them.
+BODY_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+}
 
 
 LARGE_BODY_BYTES = 1 << 20  # bodies above this are parsed on a worker thread
@@ -180,11 +186,29 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     async def stats() -> Response:
         return JSONResponse(ctx.metrics.snapshot())
 
+    app.openapi = lambda: _openapi_with_bodies(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(AccessLogMiddleware)  # added last = outermost: it sees 401s and 413s too
     return app
+
+
+def _openapi_with_bodies(app: FastAPI) -> dict:
+    """FastAPI's schema of the routes, with the request body of each POST route from its pydantic model."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in BODY_MODELS.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            }
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _tokenize(ctx: ServerContext, body: TokenizeRequest, receive, log: ResponseLog) -> Response:
