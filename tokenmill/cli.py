@@ -63,6 +63,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
     serve.add_argument("--max-queued-requests", type=int, default=1024,
                        help="waiting requests beyond this get 503 with Retry-After")
+    serve.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="S",
+                       help="abort a request whose client has read nothing for S seconds")
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM/SIGINT, let in-flight requests finish for up to S seconds")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

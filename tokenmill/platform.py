@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import torch
@@ -76,6 +78,38 @@ def _meminfo_bytes(key: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+# oneDNN (and ideep, PyTorch's layer over it) keep a primitive per GEMM shape, and continuous
+# batching makes many: one per batch size. ideep's default cache of 1024 grew a soak's RSS by
+# hundreds of MB. 128 entries hold the shapes in use at any time (measured: no slower). Both are
+# read once, when oneDNN first runs: set them before the model is loaded.
+PRIMITIVE_CACHE_CAPACITY = "128"
+
+
+def limit_onednn_primitive_cache() -> None:
+    """Bound ideep's and oneDNN's primitive caches, unless the user set LRU_CACHE_CAPACITY /
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY."""
+    os.environ.setdefault("LRU_CACHE_CAPACITY", PRIMITIVE_CACHE_CAPACITY)
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", PRIMITIVE_CACHE_CAPACITY)
+
+
+def release_free_memory() -> None:
+    """Hand memory that glibc keeps after frees back to the system (malloc_trim). Tensors of ever
+    different sizes fragment the heap: a soak's RSS grew ~100 MB in minutes of mixed traffic that
+    this recovers. Cheap (well under a millisecond); a no-op without glibc."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def set_cpu_threads(num_ranks: int = 1) -> int:

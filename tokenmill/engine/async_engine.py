@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from tokenmill.engine.engine_core import EngineStats, LLMEngine
 from tokenmill.errors import EngineDeadError, InvalidParameterError, ServerBusyError, StreamStalledError, TokenmillError
 from tokenmill.outputs import OutputKind, RequestOutput, merge_deltas
+from tokenmill.platform import release_free_memory
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class _AddCommand:
 
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds an output may wait for its reader before the request is aborted
+TRIM_INTERVAL = 10.0  # seconds between two returns of freed heap memory to the system
 
 
 @dataclass
@@ -132,6 +134,10 @@ class AsyncLLMEngine:
             for request_id in remaining:
                 self._fail(request_id, ServerBusyError("the server is shutting down; request aborted"))
                 self.abort(request_id)
+            for _ in range(200):  # until the engine thread has run the aborts (their blocks are free)
+                if not self.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.05)
             return len(remaining)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -276,7 +282,11 @@ class AsyncLLMEngine:
 
     def _loop_until_stopped(self) -> None:
         engine = self.engine
+        next_trim = time.monotonic() + TRIM_INTERVAL
         while True:
+            if time.monotonic() >= next_trim:  # keep RSS flat under traffic of ever-changing shapes
+                release_free_memory()
+                next_trim = time.monotonic() + TRIM_INTERVAL
             with self._wakeup:
                 while not (self._commands or self._stopping or engine.has_unfinished_requests()):
                     self._wakeup.wait(timeout=1.0)  # a timeout keeps the main thread responsive to signals

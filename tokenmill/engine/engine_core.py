@@ -22,7 +22,9 @@ from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.errors import EngineDeadError, InvalidParameterError
 from tokenmill.executor.base import Executor, create_executor
 from tokenmill.outputs import OutputKind, RequestOutput
-from tokenmill.platform import available_memory_bytes, resolve_device, resolve_dtype, set_cpu_threads
+from tokenmill.platform import (
+    available_memory_bytes, limit_onednn_primitive_cache, resolve_device, resolve_dtype, set_cpu_threads,
+)
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class LLMEngine:
             raise InvalidParameterError("tensor_parallel_size must be at least 1", param="tensor_parallel_size")
         if self.device.type == "cpu":
             set_cpu_threads(config.tensor_parallel_size)  # the ranks share the cores
+            limit_onednn_primitive_cache()
         self.executor: Executor = create_executor(config, self.device, self.dtype)
         loaded = self.executor.load_model()
         self.model_config = loaded.config

@@ -21,7 +21,7 @@ from tokenmill.executor.tensor_parallel import (
 )
 from tokenmill.layers.parallel import Communicator
 from tokenmill.models.loader import load_model
-from tokenmill.platform import resolve_device, resolve_dtype
+from tokenmill.platform import limit_onednn_primitive_cache, resolve_device, resolve_dtype
 from tokenmill.worker.forward_input import MalformedStepError
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -35,6 +35,7 @@ def run(host: str, port: int, rank: int, world_size: int) -> None:
     except (ValueError, TypeError) as exc:
         raise MalformedStepError(f"the worker spec is malformed: {exc}") from None
     torch.set_num_threads(spec.num_threads)
+    limit_onednn_primitive_cache()
     device = resolve_device(spec.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())

@@ -42,6 +42,7 @@ class ServeOptions:
     kv_cache_memory: int | None = None
     max_queued_requests: int | None = 1024
     drain_timeout: float = 30.0
+    stream_stall_timeout: float = 60.0
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -92,7 +93,8 @@ class DrainingServer(uvicorn.Server):
         aborted = await self.ctx.engine.drain(self.drain_timeout)
         if aborted:
             logger.warning("drain timeout: aborted %d requests", aborted)
-        logger.info("drained; shutting down")
+        kv = self.ctx.engine.engine.kv_cache.stats()  # read from the event loop: a snapshot, good enough
+        logger.info("drained; shutting down (KV blocks in use: %d of %d)", kv.num_used_blocks, kv.num_blocks)
         self.should_exit = True
 
 
@@ -125,7 +127,8 @@ def serve(options: ServeOptions) -> int:
     model_name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_MODEL_NAME)
     cost_model = _cost_model(engine, options)
     metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window))
-    async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step)
+    async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step,
+                                  stall_timeout=options.stream_stall_timeout)
     ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts,
                         model_aliases=frozenset({options.model} if options.model else ()))
     app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False)
