@@ -152,3 +152,26 @@ def test_min_tokens_defers_stop_strings(tiny_llm):
                                                                  stop=[stop], min_tokens=completes),
                                  use_tqdm=False)[0].outputs[0]
     assert deferred.finish_reason == "length" and deferred.text == full.text  # the only match came too early
+
+
+def test_a_failed_step_leaves_no_hash_of_unwritten_blocks(tiny_llm, monkeypatch):
+    engine = tiny_llm.engine
+    prompt = engine.tokenize("a prompt long enough to fill several KV blocks of sixteen tokens each " * 3)
+    real_execute = engine.executor.execute
+
+    def execute(scheduler_output):  # the forward writes some K/V, then fails
+        real_execute(scheduler_output)
+        raise RuntimeError("failed after writing")
+
+    monkeypatch.setattr(engine.executor, "execute", execute)
+    cached_before = set(engine.kv_cache.pool.cached)
+    engine.add_request("doomed", prompt, SamplingParams(max_tokens=4))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].error is not None and outputs[-1].outputs[0].finish_reason == "error"
+    assert set(engine.kv_cache.pool.cached) == cached_before  # nothing of the failed step was registered
+    monkeypatch.undo()
+    again = tiny_llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].finish_reason == "length"
+    engine.kv_cache.check_integrity()
