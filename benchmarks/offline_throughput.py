@@ -1,6 +1,8 @@
 """Offline throughput: tokenmill vs HF transformers on the default model, same weights, same run.
 
 W1: one 128-token prompt -> 128 tokens (single stream).
+tokenmill runs with the GGUF's own Q4_1 weights (kept quantized), re-quantized to int8, and
+dequantized to bf16 (--quantization none); HF always dequantizes.
 W2: 64 different ~256-token prompts -> 128 tokens each, all submitted at once.
 Greedy, ignore_eos. Prompts are windows of benchmarks/data/mills.txt.
 
@@ -38,10 +40,11 @@ def _peak_rss_mb() -> float:
 
 
 # ---- cases (each runs in a fresh process) --------------------------------------------------
-def run_tokenmill(workload: dict, dtype: str) -> dict:
+def run_tokenmill(workload: dict, dtype: str, quantization: str | None = None) -> dict:
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, max_num_batched_tokens=workload.get("max_num_batched_tokens", 2048))
+    llm = LLM(dtype=dtype, max_num_batched_tokens=workload.get("max_num_batched_tokens", 2048),
+              quantization=quantization)
     prompts = build_prompts(llm.get_tokenizer(), workload["num_prompts"], workload["prompt_len"])
     params = SamplingParams(temperature=0.0, max_tokens=workload["output_len"], ignore_eos=True)
     llm.generate([prompts[0][:32]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -54,6 +57,7 @@ def run_tokenmill(workload: dict, dtype: str) -> dict:
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {
         "engine": "tokenmill", "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "weights": {None: "Q4_1", "none": "bf16"}.get(quantization, quantization),
         "ttft_s": statistics.median(ttfts), "elapsed_s": elapsed, "output_tokens": num_out,
         "prompt_tokens": sum(len(p) for p in prompts),
         "preemptions": llm.stats().num_preemptions,
@@ -118,8 +122,10 @@ def measure_matmul_peak() -> float:
 
 
 # ---- driver ---------------------------------------------------------------------------------
-def _case_in_subprocess(engine: str, workload_name: str, workload: dict, dtype: str) -> dict:
-    cmd = [sys.executable, __file__, "--case", json.dumps({"engine": engine, "workload": workload, "dtype": dtype})]
+def _case_in_subprocess(engine: str, workload_name: str, workload: dict, dtype: str,
+                        quantization: str | None = None) -> dict:
+    case = {"engine": engine, "workload": workload, "dtype": dtype, "quantization": quantization}
+    cmd = [sys.executable, __file__, "--case", json.dumps(case)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     if proc.returncode != 0:
         raise SystemExit(f"case {engine}/{workload_name}/{dtype} failed:\n{proc.stderr[-3000:]}")
@@ -136,8 +142,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.case:
         case = json.loads(args.case)
-        run = run_tokenmill if case["engine"] == "tokenmill" else run_hf
-        result = run(case["workload"], case["dtype"])
+        if case["engine"] == "tokenmill":
+            result = run_tokenmill(case["workload"], case["dtype"], case.get("quantization"))
+        else:
+            result = run_hf(case["workload"], case["dtype"])
         result["peak_rss_mb"] = _peak_rss_mb()
         print(json.dumps(result))
         return
@@ -146,19 +154,20 @@ def main() -> None:
     w2 = {"num_prompts": 64, "prompt_len": 256, "output_len": 128}
     if args.quick:
         w1, w2 = {**w1, "output_len": 16}, {"num_prompts": 8, "prompt_len": 256, "output_len": 32}
-    cases = [("tokenmill", "W1", w1, "auto"), ("tokenmill", "W2", w2, "auto")]
+    cases = [("tokenmill", name, workload, "auto", quant) for quant in (None, "int8", "none")
+             for name, workload in (("W1", w1), ("W2", w2))]
     if not args.skip_hf:
-        cases += [("transformers", "W1", w1, "bfloat16"), ("transformers", "W1", w1, "float32"),
-                  ("transformers", "W2", w2, "float32"), ("transformers", "W2", w2, "bfloat16")]
+        cases += [("transformers", "W1", w1, "bfloat16", None), ("transformers", "W1", w1, "float32", None),
+                  ("transformers", "W2", w2, "float32", None), ("transformers", "W2", w2, "bfloat16", None)]
     results = []
-    for engine, name, workload, dtype in cases:
-        print(f"running {engine} {name} {dtype} ...", file=sys.stderr, flush=True)
-        results.append(_case_in_subprocess(engine, name, workload, dtype))
+    for engine, name, workload, dtype, quant in cases:
+        print(f"running {engine} {name} {dtype} {quant or ''} ...", file=sys.stderr, flush=True)
+        results.append(_case_in_subprocess(engine, name, workload, dtype, quant))
 
     peak = measure_matmul_peak()
-    print(f"\nDefault model (SmolLM2-135M-Instruct Q4_1 GGUF, dequantized), {os.cpu_count()} CPUs, "
+    print(f"\nDefault model (SmolLM2-135M-Instruct Q4_1 GGUF), {os.cpu_count()} CPUs, "
           f"bf16 matmul peak measured now: {peak:.0f} GFLOP/s\n")
-    header = f"{'workload':8} {'engine':12} {'dtype':9} {'TTFT s':>8} {'decode tok/s':>12} {'output tok/s':>12} " \
+    header = f"{'workload':8} {'engine':12} {'weights':8} {'dtype':9} {'TTFT s':>8} {'decode tok/s':>12} {'output tok/s':>12} " \
              f"{'total tok/s':>11} {'peak RSS MB':>11}"
     print(header)
     print("-" * len(header))
@@ -166,17 +175,23 @@ def main() -> None:
         r["output_tps"] = r["output_tokens"] / r["elapsed_s"]
         r["total_tps"] = (r["output_tokens"] + r["prompt_tokens"]) / r["elapsed_s"]
         decode = f"{r['decode_tps']:12.1f}" if "decode_tps" in r else f"{'-':>12}"
-        print(f"{r['workload']:8} {r['engine']:12} {r['dtype']:9} {r['ttft_s']:8.3f} {decode} "
+        print(f"{r['workload']:8} {r['engine']:12} {r.get('weights', r['dtype']):8} {r['dtype']:9} {r['ttft_s']:8.3f} {decode} "
               f"{r['output_tps']:12.1f} {r['total_tps']:11.1f} {r['peak_rss_mb']:11.0f}")
 
-    def find(engine, workload, dtype=None):
+    def find(engine, workload, dtype=None, weights=None):
         for r in results:
-            if r["engine"] == engine and r["workload"] == workload and (dtype is None or r["dtype"] == dtype):
+            if r["engine"] == engine and r["workload"] == workload and (dtype is None or r["dtype"] == dtype) \
+                    and (weights is None or r.get("weights") == weights):
                 return r
         return None
 
     summary = {"bench": "offline_throughput", "matmul_peak_gflops": round(peak, 1)}
-    tm_w1, tm_w2 = find("tokenmill", "W1"), find("tokenmill", "W2")
+    tm_w1, tm_w2 = find("tokenmill", "W1", weights="Q4_1"), find("tokenmill", "W2", weights="Q4_1")
+    for weights in ("int8", "bf16"):
+        for name in ("W1", "W2"):
+            row = find("tokenmill", name, weights=weights)
+            key = "decode_tps" if name == "W1" else "total_tps"
+            summary[f"tokenmill_{name.lower()}_{key}_{weights}"] = round(row[key], 1)
     hf_w1_bf16, hf_w2_fp32 = find("transformers", "W1", "bfloat16"), find("transformers", "W2", "float32")
     summary["tokenmill_w2_total_tps"] = round(tm_w2["total_tps"], 1)
     summary["tokenmill_w1_decode_tps"] = round(tm_w1["decode_tps"], 1)

@@ -8,6 +8,15 @@ import sys
 from tokenmill.errors import TokenmillError
 
 
+QUANTIZATION_ARGS = ["auto", "none", "int8", "int4"]
+QUANTIZATION_HELP = ("weights: auto keeps a GGUF's own quantization (HF models stay in --dtype), none dequantizes, "
+                     "int8/int4 quantize the linears at load (group-wise, round to nearest)")
+
+
+def _quantization(arg: str) -> str | None:
+    return None if arg == "auto" else arg
+
+
 def _generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine_core import LLMEngine
     from tokenmill.config import EngineConfig, SchedulerConfig
@@ -15,6 +24,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                    quantization=_quantization(args.quantization),
                                     tensor_parallel_size=args.tensor_parallel_size, rendezvous=args.rendezvous,
                                     scheduler=SchedulerConfig(max_model_len=args.max_model_len)))
     try:
@@ -47,6 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise TokenmillError("--max-queued-requests must be at least 1")
     options = ServeOptions(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+    options.quantization = _quantization(options.quantization)
     return serve(options)
 
 
@@ -69,6 +80,7 @@ def _add_serve_parser(sub) -> None:
                        help="on SIGTERM/SIGINT, let in-flight requests finish for up to S seconds")
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="auto")
+    serve.add_argument("--quantization", default="auto", choices=QUANTIZATION_ARGS, help=QUANTIZATION_HELP)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--log-prompts", action="store_true", help="include request bodies in the access log")
     serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=16 * 1024 * 1024)
@@ -97,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template to PROMPT")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="auto")
+    gen.add_argument("--quantization", default="auto", choices=QUANTIZATION_ARGS, help=QUANTIZATION_HELP)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over N processes")
     gen.set_defaults(func=_generate, rendezvous=None)

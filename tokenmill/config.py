@@ -125,6 +125,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    # None: a GGUF keeps its quantized weights; "none": dequantize; "int8"/"int4": quantize at load
+    quantization: str | None = None
     tensor_parallel_size: int = 1
     rendezvous: object | None = None  # executor.tensor_parallel.Rendezvous under torchrun; None: spawn local workers
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -34,6 +34,7 @@ class LLM:
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
         tensor_parallel_size: int = 1,
+        quantization: str | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1:
             raise InvalidParameterError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
@@ -49,6 +50,7 @@ class LLM:
             device=device,
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
+            quantization=quantization,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

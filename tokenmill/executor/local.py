@@ -24,7 +24,8 @@ class LocalExecutor:
         self.runner: ModelRunner | None = None
 
     def load_model(self) -> LoadedModel:
-        self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.scheduler.max_model_len)
+        self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.scheduler.max_model_len,
+                                 quantization=self.config.quantization)
         return self.loaded
 
     def init_kv_cache(self, num_blocks: int) -> None:

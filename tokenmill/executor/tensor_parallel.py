@@ -87,6 +87,7 @@ class WorkerSpec:
     model: str | None
     dtype: str
     device: str
+    quantization: str | None
     max_model_len: int | None
     block_size: int
     num_threads: int
@@ -134,6 +135,7 @@ class TensorParallelExecutor:
         self.world_size = world
         self.spec = WorkerSpec(
             model=config.model, dtype=str(dtype).removeprefix("torch."), device=config.device,
+            quantization=config.quantization,
             max_model_len=config.scheduler.max_model_len, block_size=config.cache.block_size,
             num_threads=torch.get_num_threads(),
         )
@@ -155,7 +157,7 @@ class TensorParallelExecutor:
     def load_model(self) -> LoadedModel:
         try:
             self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.scheduler.max_model_len,
-                                     shard=self.comm)
+                                     shard=self.comm, quantization=self.config.quantization)
         except Exception:
             self.shutdown()
             raise

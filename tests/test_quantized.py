@@ -1,0 +1,236 @@
+"""Quantized weights: the layout, the kernel against a float64 reference, GGUF repacking against the
+gguf package's own dequantizer, and models that keep their weights quantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.layers import quantized
+from tokenmill.layers.cpu_kernels import quant_gemv_available
+from tokenmill.layers.quantized import (
+    QuantizedLinear, QuantizedWeight, concat_rows, pack_nibbles, quantize_rtn, quantized_matmul, unpack_nibbles,
+)
+from tokenmill.models.gguf_quants import QUANTIZED_TYPES, repack
+
+needs_kernel = pytest.mark.skipif(not quant_gemv_available(), reason="the quantized kernel needs AVX-512")
+
+
+def random_weight(rows: int, cols: int, bits: int, group: int, seed: int = 0, half: bool = False) -> QuantizedWeight:
+    """Random codes, scales and offsets; with half, scales and offsets that float16 holds exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 1 << bits, (rows, cols), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(rows, cols // group, generator=gen) * 0.02 + 0.001
+    offsets = -scales * (1 << (bits - 1)) + torch.randn(rows, cols // group, generator=gen) * 0.01
+    if half:
+        scales, offsets = scales.half().float(), offsets.half().float()
+    q = QuantizedWeight.from_codes(u, scales, offsets, bits, group)
+    assert q.scales.dtype == (torch.float16 if half else torch.float32)
+    return q
+
+
+def reference_weight(q: QuantizedWeight) -> torch.Tensor:
+    """float64 weights from the unpacked codes, computed independently of QuantizedWeight.dequantize."""
+    u = q.unpacked_codes().double()
+    scale = q.scales.double().repeat_interleave(q.group_size, dim=1)
+    offset = q.offsets.double().repeat_interleave(q.group_size, dim=1)
+    return u * scale + offset
+
+
+@pytest.mark.parametrize("cols", [32, 64, 96, 576, 1536])
+def test_nibble_packing_round_trips_with_the_documented_byte_order(cols):
+    u = torch.randint(0, 16, (3, cols), dtype=torch.uint8)
+    packed = pack_nibbles(u)
+    assert packed.shape == (3, cols // 2)
+    assert torch.equal(unpack_nibbles(packed, cols), u)
+    if cols >= 64:  # byte j of the first chunk: column j low, column j + 32 high
+        assert int(packed[0, 5]) == int(u[0, 5]) | int(u[0, 37]) << 4
+    if cols % 64:  # the 32-column tail: column j low, j + 16 high
+        tail = cols - 32
+        assert int(packed[1, tail // 2 + 3]) == int(u[1, tail + 3]) | int(u[1, tail + 19]) << 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16), (4, 16), (8, 64)])
+@pytest.mark.parametrize("cols", [32, 96, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("half", [False, True])
+def test_kernel_matches_float64_reference(bits, group, cols, rows, half):
+    if cols % group:
+        pytest.skip("group does not divide the width")
+    q = random_weight(45, cols, bits, group, seed=cols + rows, half=half)  # 45 outputs: not a multiple of the split
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    want = x.double() @ reference_weight(q).T
+    got = torch.ops.tokenmill.quant_gemv(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_takes_half_precision_activations(dtype):
+    q = random_weight(64, 576, 4, 32)
+    x = torch.randn(3, 576).to(dtype)
+    got = torch.ops.tokenmill.quant_gemv(x, q.codes, q.scales, q.offsets, 4, 32)
+    want = x.double() @ reference_weight(q).T  # the kernel accumulates in float32, rounds once
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8, 9, 17, 64])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_matmul_any_row_count(rows, bits, monkeypatch):
+    q = random_weight(40, 192, bits, 32, seed=rows)
+    x = torch.randn(rows, 192)
+    want = x.double() @ reference_weight(q).T
+    torch.testing.assert_close(quantized_matmul(x, q).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    monkeypatch.setattr(quantized, "_kernel_available", lambda: False)  # the fallback every device has
+    torch.testing.assert_close(quantized_matmul(x, q).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_kernel_refuses_mismatched_shapes():
+    if not quant_gemv_available():
+        pytest.skip("no kernel")
+    q = random_weight(8, 64, 4, 32)
+    with pytest.raises(RuntimeError, match="codes do not match K"):
+        torch.ops.tokenmill.quant_gemv(torch.randn(1, 128), q.codes, q.scales, q.offsets, 4, 32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_round_to_nearest_error_is_half_a_step(bits):
+    w = torch.randn(64, 256) * 0.05
+    q = quantize_rtn(w, bits)
+    assert q.scales.dtype == torch.float16  # chosen so that float16 holds them
+    step = q.scales.float().repeat_interleave(32, dim=1)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    assert q.nbytes < w.numel() * (1.2 if bits == 8 else 0.7)
+
+
+def test_concat_widens_without_changing_values():
+    parts = [random_weight(16, 256, 4, 32, 1), random_weight(8, 256, 8, 16, 2), random_weight(8, 256, 8, 32, 3)]
+    fused = concat_rows(parts)
+    assert (fused.bits, fused.group_size) == (8, 16)
+    torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
+    same = concat_rows(parts[:1] * 2)
+    assert (same.bits, same.group_size) == (4, 32)
+
+
+def test_rows_and_columns_cut_on_groups():
+    q = random_weight(12, 256, 4, 32)
+    full = q.dequantize()
+    torch.testing.assert_close(q.rows(slice(4, 8)).dequantize(), full[4:8], rtol=0, atol=0)
+    torch.testing.assert_close(q.columns(64, 192).dequantize(), full[:, 64:192], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="groups"):
+        q.columns(16, 128)
+
+
+def test_linear_adds_its_bias():
+    q = random_weight(10, 64, 8, 32)
+    bias = torch.randn(10)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(QuantizedLinear(q, bias)(x), x @ q.dequantize().T + bias, rtol=1e-5, atol=1e-5)
+
+
+def _gguf_blocks(type_name: str, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    rng = np.random.default_rng(seed)
+    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        return gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.1, T[type_name])
+    block, size = gguf.constants.GGML_QUANT_SIZES[T[type_name]]  # K-quants: random blocks with sane scales
+    raw = rng.integers(0, 256, size=(shape[0], shape[1] // block, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    if type_name == "Q6_K":
+        raw[..., -2:] = scale
+    else:
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    return raw.reshape(shape[0], -1)
+
+
+@pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
+def test_repacked_gguf_types_equal_the_gguf_packages_dequantization(type_name):
+    import gguf
+
+    shape = (24, 512)
+    data = _gguf_blocks(type_name, shape)
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name]).reshape(shape)
+    q = repack(data, type_name, shape)
+    assert q.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    torch.testing.assert_close(q.dequantize(), torch.from_numpy(want.astype(np.float32)), rtol=1e-6, atol=1e-7)
+    x = torch.randn(2, shape[1])
+    torch.testing.assert_close(quantized_matmul(x, q), x @ torch.from_numpy(want.astype(np.float32)).T,
+                               rtol=1e-4, atol=1e-4)
+
+
+def _greedy(loaded, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    from test_models import _our_logits
+
+    ids, logits = list(prompt), []
+    for _ in range(steps):
+        last = _our_logits(loaded, [ids])[0][-1]
+        logits.append(last)
+        ids.append(int(last.argmax()))
+    return ids[len(prompt):], logits
+
+
+def test_tiny_gguf_keeps_every_type_quantized_and_matches_its_dequantized_self(tmp_path):
+    arch = "llama"  # its Q/K rows are permuted in the file: the repacked rows must be put back too
+    from test_gguf import write_tiny_gguf
+
+    from tokenmill.models.loader import load_model
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(path, arch)
+    cpu = torch.device("cpu")
+    kept = load_model(str(path), torch.float32, cpu, with_tokenizer=False)
+    plain = load_model(str(path), torch.float32, cpu, with_tokenizer=False, quantization="none")
+    layer0, layer1 = kept.model.layers
+    # layer 0 mixes float and quantized parts in its fused projections: those are dequantized
+    assert type(layer0.self_attn.qkv_proj).__name__ != "QuantizedLinear"
+    assert isinstance(layer0.mlp.down_proj, QuantizedLinear)  # Q8_0
+    # layer 1: Q4_K / Q5_K / Q6_K everywhere, q/k/v fused into one widened layout
+    assert isinstance(layer1.self_attn.qkv_proj, QuantizedLinear)
+    assert (layer1.self_attn.qkv_proj.qweight.bits, layer1.self_attn.qkv_proj.qweight.group_size) == (8, 16)
+    assert layer1.self_attn.o_proj.qweight.bits == 4
+    assert isinstance(kept.model.lm_head, QuantizedLinear)  # tied to the Q8_0 embedding
+    prompt = [5, 17, 123, 42, 7, 250, 3]
+    tokens_kept, logits_kept = _greedy(kept, prompt, 12)
+    tokens_plain, logits_plain = _greedy(plain, prompt, 12)
+    assert tokens_kept == tokens_plain
+    for a, b in zip(logits_kept, logits_plain):
+        assert (a - b).abs().max().item() <= 1e-4
+    assert logits_plain[0].std() > 0.1
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_hf_model_quantized_at_load(tiny_llama_dir, tokenizer, bits):
+    """An HF model quantized at load computes what the float model computes with the rounded weights."""
+    from test_models import PROMPTS, _our_logits
+
+    from tokenmill.models.loader import load_model
+
+    cpu = torch.device("cpu")
+    plain = load_model(str(tiny_llama_dir), torch.float32, cpu)
+    quant = load_model(str(tiny_llama_dir), torch.float32, cpu, quantization=f"int{bits}")
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    before = _our_logits(plain, ids)
+    for ours, theirs in zip(quant.model.layers, plain.model.layers):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            layer = ours.get_submodule(name)
+            assert isinstance(layer, QuantizedLinear) and layer.qweight.bits == bits
+            theirs.get_submodule(name).weight.data.copy_(layer.qweight.dequantize())
+    rounded = _our_logits(plain, ids)
+    for q, r, b in zip(_our_logits(quant, ids), rounded, before):
+        assert (q - r).abs().max().item() <= 1e-4
+        assert (r - b).abs().max().item() > 1e-3  # the rounding did change the weights
+
+
+def test_unknown_quantization_is_a_load_error(tiny_llama_dir):
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.models.loader import load_model
+
+    with pytest.raises(ModelLoadError, match="quantization must be one of"):
+        load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int3")

@@ -1,0 +1,74 @@
+"""Our C++ CPU kernels (csrc/), built on first use with the machine's compiler.
+
+One extension holds them all: paged decode attention (paged_decode.cpp) and quantized-weight
+matrix-vector products (quant_gemv.cpp). The build takes ~15 s once and is cached by
+torch.utils.cpp_extension under ~/.cache/torch_extensions, keyed by this CPU's feature flags
+(builds use -march=native). Everything here needs AVX-512; where the build is unavailable, or
+with TOKENMILL_CPU_KERNELS=0, callers use their PyTorch paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "quant_gemv.cpp")]
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0"
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Build (or load the cached build of) the kernels; False where they are unavailable."""
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(
+            name=f"tokenmill_cpu_kernels_{_build_fingerprint()}",
+            sources=[str(source) for source in SOURCES],
+            # -fopenmp: at::parallel_for is inline OpenMP; it resolves to the libgomp torch loaded
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, an unexpected toolchain: run without it
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        logger.warning("CPU kernels unavailable, using the PyTorch path: %s", first_line)
+        return False
+    return True
+
+
+def cpu_flags() -> set[str]:
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+@functools.cache
+def quant_gemv_available() -> bool:
+    return kernels_enabled() and load_cpu_kernels()
+
+
+def _build_fingerprint() -> str:
+    """A short hash of this CPU's feature flags and the sources: a cache shared by machines (an NFS
+    home) must not hand one CPU's build to another."""
+    flags = " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
+    digest = hashlib.sha1(flags.encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:10]

@@ -1,0 +1,139 @@
+// Matrix-vector products with group-quantized weights for x86 CPUs with AVX-512: the few-row
+// linears of decode (one stream or a handful) read 4- or 8-bit weights straight from memory.
+//
+//   quant_gemv(x [M, K], codes, scales [N, K/G], offsets [N, K/G], bits, G) -> [M, N]
+//
+// Weight n, column k, in group g = k / G:   w = scales[n, g] * u + offsets[n, g]
+// where u is the unsigned code. Codes are stored by output row; 8-bit codes one byte each,
+// 4-bit codes two per byte in chunks of 64 columns: byte j of a chunk holds column j (low nibble)
+// and column j + 32 (high nibble); a final chunk of 32 columns holds j and j + 16 in 16 bytes.
+//
+// Each 16 codes become 16 float weights in registers (one fused multiply-add with their group's
+// scale and offset), which then multiply-add into one accumulator per activation row: the
+// activations stay in float32, so the result is the dequantized weight's product up to float32
+// rounding. A single row is bound by reading the codes (0.5 or 1 byte per weight instead of 2
+// for bf16); the conversion is shared by all rows of x.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 64;    // columns per packed 4-bit chunk
+constexpr int64_t kMaxRows = 8;   // activation rows sharing one pass over the weights
+
+// The 16 codes of columns [16 j, 16 j + 16) of a chunk, widened to int32.
+inline __m512i codes16(const uint8_t* row, int64_t chunk_start, int64_t width, int j, int bits) {
+  if (bits == 8) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + chunk_start + 16 * j)));
+  }
+  const uint8_t* packed = row + chunk_start / 2;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  // a full chunk: bytes 0-31 hold columns 0-31 (low) and 32-63 (high); a 32-column tail:
+  // bytes 0-15 hold columns 0-15 (low) and 16-31 (high)
+  const int64_t half = width / 2;
+  const int byte_offset = (16 * j) % half;
+  const bool high = 16 * j >= half;
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + byte_offset));
+  bytes = high ? _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble) : _mm_and_si128(bytes, nibble);
+  return _mm512_cvtepu8_epi32(bytes);
+}
+
+inline float scalar(float v) { return v; }
+inline float scalar(c10::Half v) { return _cvtsh_ss(v.x); }
+
+template <int ROWS, typename S>
+void gemv_rows(const float* x, int64_t M_stride, const uint8_t* codes, const S* scales, const S* offsets,
+               int64_t n_begin, int64_t n_end, int64_t K, int64_t G, int bits, float* out, int64_t out_stride) {
+  const int64_t row_bytes = bits == 8 ? K : K / 2;
+  const int64_t groups = K / G;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* w = codes + n * row_bytes;
+    const S* s = scales + n * groups;
+    const S* o = offsets + n * groups;
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K; c += kChunk) {
+      const int64_t width = std::min(kChunk, K - c);
+      for (int j = 0; j < width / 16; ++j) {
+        const int64_t col = c + 16 * j;
+        const int64_t g = col / G;
+        const __m512 weight = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes16(w, c, width, j, bits)),
+                                              _mm512_set1_ps(scalar(s[g])), _mm512_set1_ps(scalar(o[g])));
+        for (int r = 0; r < ROWS; ++r) {
+          acc[r] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + r * M_stride + col), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+template <typename S>
+using GemvFn = void (*)(const float*, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t,
+                        int64_t, int64_t, int, float*, int64_t);
+template <typename S>
+constexpr GemvFn<S> kGemv[kMaxRows] = {gemv_rows<1, S>, gemv_rows<2, S>, gemv_rows<3, S>, gemv_rows<4, S>,
+                                       gemv_rows<5, S>, gemv_rows<6, S>, gemv_rows<7, S>, gemv_rows<8, S>};
+
+template <typename S>
+void run(const at::Tensor& x32, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+         int64_t bits, int64_t group_size, at::Tensor& out) {
+  const int64_t M = x32.size(0), K = x32.size(1), N = codes.size(0);
+  const float* x_ptr = x32.data_ptr<float>();
+  const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
+  const S* scale_ptr = scales.data_ptr<S>();
+  const S* offset_ptr = offsets.data_ptr<S>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const int64_t count = std::min(kMaxRows, M - m);
+      kGemv<S>[count - 1](x_ptr + m * K, K, code_ptr, scale_ptr, offset_ptr, begin, end, K, group_size,
+                          static_cast<int>(bits), out_ptr + m * N, N);
+    }
+  });
+}
+
+at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const at::Tensor& offsets, int64_t bits, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2, "x must be a [M, K] matrix");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(group_size % 16 == 0, "the group size must be a multiple of 16");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
+              "codes must be contiguous uint8 [N, bytes per row]");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
+              "scales must be contiguous float32 or float16");
+  TORCH_CHECK(offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous() &&
+              offsets.sizes() == scales.sizes(), "offsets must be like scales");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 32 == 0 && K % group_size == 0, "K must be a multiple of 32 and of the group size");
+  TORCH_CHECK(codes.size(1) == (bits == 8 ? K : K / 2), "codes do not match K");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size,
+              "scales must be [N, K / group_size]");
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (scales.scalar_type() == at::kHalf) {
+    run<c10::Half>(x32, codes, scales, offsets, bits, group_size, out);
+  } else {
+    run<float>(x32, codes, scales, offsets, bits, group_size, out);
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("quant_gemv", quant_gemv);
+}

@@ -1,0 +1,200 @@
+"""Linear and embedding layers whose weights stay group-quantized in memory (4 or 8 bits).
+
+One layout covers every GGUF type we read and our own round-to-nearest quantization: unsigned
+codes u, and per group of G consecutive input columns of an output row a scale s and an offset o:
+
+    w[n, k] = s[n, k // G] * u[n, k] + o[n, k // G]
+
+Q4_0 is 4-bit with o = -8 s, Q4_1 and Q4_K 4-bit with o = their min, Q8_0 8-bit with u = q + 128
+and o = -128 s, Q5_K 8-bit, Q6_K 8-bit with G = 16 (see models/gguf_quants.py).
+
+A few rows (decode) go through our AVX-512 kernel (csrc/quant_gemv.cpp), which reads the codes
+from memory as they are and keeps the activations in float32; more rows (prefill, large decode
+batches) dequantize the weight to the activations' dtype and use the dense matmul, where the
+matrix units pay for the conversion. Without the kernel (no AVX-512, CUDA) every call
+dequantizes: correct, not fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
+GEMV_MAX_ROWS = 8  # at most this many rows go through the matrix-vector kernel
+
+
+@dataclass
+class QuantizedWeight:
+    """A [N, K] weight as codes + per-group scales and offsets. 4-bit codes are packed two to a
+    byte per 64-column chunk: byte j holds column j (low nibble) and j + 32 (high); a last chunk
+    of 32 columns holds j and j + 16."""
+
+    codes: torch.Tensor  # uint8 [N, K] (8-bit) or [N, K / 2] (4-bit)
+    scales: torch.Tensor  # [N, K / G], float16 where that holds them exactly (Q4_0, Q4_1, Q8_0, ours), else float32
+    offsets: torch.Tensor  # [N, K / G], the same dtype
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.scales.shape[1] * self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    @classmethod
+    def from_codes(cls, u: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
+                   group_size: int) -> QuantizedWeight:
+        """From unpacked codes u (uint8 [N, K]); checks the layout."""
+        rows, cols = u.shape
+        if group_size % 16 or cols % 32 or cols % group_size:
+            raise ValueError(f"cannot hold a [{rows}, {cols}] weight in groups of {group_size}")
+        if scales.shape != (rows, cols // group_size) or offsets.shape != scales.shape:
+            raise ValueError("scales and offsets must be [N, K / group_size]")
+        if bits == 4 and u.numel() and int(u.max()) > 15:
+            raise ValueError("4-bit codes must be below 16")
+        codes = pack_nibbles(u) if bits == 4 else u.to(torch.uint8).contiguous()
+        scales, offsets = _compact(scales.float(), offsets.float())
+        return cls(codes, scales, offsets, bits, group_size)
+
+    def unpacked_codes(self) -> torch.Tensor:
+        return unpack_nibbles(self.codes, self.shape[1]) if self.bits == 4 else self.codes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        u = self.unpacked_codes().float().view(self.shape[0], -1, self.group_size)
+        scales, offsets = self.scales.float()[..., None], self.offsets.float()[..., None]
+        return torch.addcmul(offsets, u, scales).view(self.shape).to(dtype)
+
+    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        """The weight of the selected output rows (llama.cpp's Q/K permutation, tensor-parallel shards)."""
+        return replace(self, codes=self.codes[index].contiguous(), scales=self.scales[index].contiguous(),
+                       offsets=self.offsets[index].contiguous())
+
+    def columns(self, start: int, end: int) -> QuantizedWeight:
+        """Input columns [start, end), cut on group boundaries (row-parallel shards)."""
+        if start % self.group_size or end % self.group_size or (end - start) % 32:
+            raise ValueError(f"columns {start}:{end} do not fall on the weight's {self.group_size}-column groups")
+        g0, g1 = start // self.group_size, end // self.group_size
+        return QuantizedWeight.from_codes(self.unpacked_codes()[:, start:end], self.scales[:, g0:g1],
+                                          self.offsets[:, g0:g1], self.bits, self.group_size)
+
+    def widened(self, bits: int, group_size: int) -> QuantizedWeight:
+        """The same values with at least as many bits and groups no larger (lossless)."""
+        if (bits, group_size) == (self.bits, self.group_size):
+            return self
+        if bits < self.bits or self.group_size % group_size:
+            raise ValueError("can only widen a quantized layout")
+        repeat = self.group_size // group_size
+        return QuantizedWeight.from_codes(self.unpacked_codes(), self.scales.repeat_interleave(repeat, dim=1),
+                                          self.offsets.repeat_interleave(repeat, dim=1), bits, group_size)
+
+
+def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    rows, cols = u.shape
+    u = u.to(torch.uint8)
+    full = cols - cols % CHUNK
+    body = u[:, :full].reshape(rows, -1, 2, CHUNK // 2)
+    parts = [(body[:, :, 0] | (body[:, :, 1] << 4)).reshape(rows, -1)]
+    if cols % CHUNK:
+        tail = u[:, full:].reshape(rows, 2, 16)
+        parts.append(tail[:, 0] | (tail[:, 1] << 4))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def unpack_nibbles(codes: torch.Tensor, cols: int) -> torch.Tensor:
+    rows = codes.shape[0]
+    full = cols - cols % CHUNK
+    body = codes[:, : full // 2].reshape(rows, -1, CHUNK // 2)
+    parts = [torch.stack([body & 0xF, body >> 4], dim=2).reshape(rows, -1)]
+    if cols % CHUNK:
+        tail = codes[:, full // 2 :]
+        parts.append(torch.cat([tail & 0xF, tail >> 4], dim=1))
+    return torch.cat(parts, dim=1)
+
+
+def _to_half(values: torch.Tensor) -> torch.Tensor:
+    """Values rounded to float16 (kept as float32), clamped into its range."""
+    return values.clamp(-65504, 65504).half().float()
+
+
+def _compact(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and offsets as float16 when that loses nothing (2 bytes per group instead of 4)."""
+    half_s, half_o = scales.half(), offsets.half()
+    if torch.equal(half_s.float(), scales) and torch.equal(half_o.float(), offsets):
+        return half_s.contiguous(), half_o.contiguous()
+    return scales.contiguous(), offsets.contiguous()
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int = 32) -> QuantizedWeight:
+    """Round-to-nearest weight-only quantization: int8 symmetric, int4 asymmetric (min and range)."""
+    rows, cols = weight.shape
+    w = weight.detach().float().reshape(rows, -1, group_size)
+    if bits == 8:
+        scales = _to_half(w.abs().amax(dim=-1) / 127)
+        q = torch.round(w / scales.clamp_min(1e-30)[..., None]).clamp(-127, 127)
+        return QuantizedWeight.from_codes((q + 128).to(torch.uint8).view(rows, cols), scales, -128 * scales, 8,
+                                          group_size)
+    if bits == 4:
+        low, high = _to_half(w.amin(dim=-1)), w.amax(dim=-1)
+        scales = _to_half((high - low) / 15)
+        q = torch.round((w - low[..., None]) / scales.clamp_min(1e-30)[..., None]).clamp(0, 15)
+        return QuantizedWeight.from_codes(q.to(torch.uint8).view(rows, cols), scales, low, 4, group_size)
+    raise ValueError(f"bits must be 4 or 8, not {bits}")
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights by output rows (fused q/k/v, gate/up), widened to one common layout."""
+    bits, group = max(p.bits for p in parts), min(p.group_size for p in parts)
+    parts = [p.widened(bits, group) for p in parts]
+    scales, offsets = _compact(torch.cat([p.scales.float() for p in parts]), torch.cat([p.offsets.float() for p in parts]))
+    return QuantizedWeight(torch.cat([p.codes for p in parts]).contiguous(), scales, offsets, bits, group)
+
+
+def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x's dtype."""
+    if x.device.type == "cpu" and x.shape[0] <= GEMV_MAX_ROWS and _kernel_available():
+        return torch.ops.tokenmill.quant_gemv(x, qweight.codes, qweight.scales, qweight.offsets, qweight.bits,
+                                              qweight.group_size)
+    return F.linear(x, qweight.dequantize(x.dtype))
+
+
+def _kernel_available() -> bool:
+    from tokenmill.layers.cpu_kernels import quant_gemv_available
+
+    return quant_gemv_available()
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W.T + b with W group-quantized."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.bias = bias
+        self.out_features, self.in_features = qweight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = quantized_matmul(x, self.qweight)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        q = self.qweight
+        return f"in={self.in_features}, out={self.out_features}, bits={q.bits}, group={q.group_size}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings from a quantized table: only the looked-up rows are dequantized."""
+
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight = qweight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = qweight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.rows(ids).dequantize(self.dtype)
