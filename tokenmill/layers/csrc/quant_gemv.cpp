@@ -30,50 +30,89 @@ namespace {
 constexpr int64_t kChunk = 64;    // columns per packed 4-bit chunk
 constexpr int64_t kMaxRows = 8;   // activation rows sharing one pass over the weights
 
-// The 16 codes of columns [16 j, 16 j + 16) of a chunk, widened to int32.
-inline __m512i codes16(const uint8_t* row, int64_t chunk_start, int64_t width, int j, int bits) {
+// The 64 (or, in a 32-column tail, 32) codes of a chunk as four (two) vectors of 16 int32.
+inline int load_chunk(const uint8_t* row, int64_t chunk_start, int64_t width, int bits, __m512i q[4]) {
   if (bits == 8) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + chunk_start + 16 * j)));
+    for (int j = 0; j < width / 16; ++j) {
+      q[j] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + chunk_start + 16 * j)));
+    }
+    return static_cast<int>(width / 16);
   }
   const uint8_t* packed = row + chunk_start / 2;
+  if (width == kChunk) {  // bytes 0-31: columns 0-31 in the low nibbles, 32-63 in the high ones
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
+    const __m256i low = _mm256_and_si256(bytes, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    q[0] = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(low));
+    q[1] = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(low, 1));
+    q[2] = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(high));
+    q[3] = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(high, 1));
+    return 4;
+  }
+  // a 32-column tail, bytes 0-15: columns 0-15 low, 16-31 high
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  // a full chunk: bytes 0-31 hold columns 0-31 (low) and 32-63 (high); a 32-column tail:
-  // bytes 0-15 hold columns 0-15 (low) and 16-31 (high)
-  const int64_t half = width / 2;
-  const int byte_offset = (16 * j) % half;
-  const bool high = 16 * j >= half;
-  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + byte_offset));
-  bytes = high ? _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble) : _mm_and_si128(bytes, nibble);
-  return _mm512_cvtepu8_epi32(bytes);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  q[0] = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble));
+  q[1] = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+  return 2;
 }
 
-inline float scalar(float v) { return v; }
-inline float scalar(c10::Half v) { return _cvtsh_ss(v.x); }
+// A row's group scales (or offsets) as float32: float16 ones converted 16 at a time into buf.
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline const float* as_float(const c10::Half* src, float* buf, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m256i halves = _mm256_maskz_loadu_epi16(mask, src + i);
+    _mm512_mask_storeu_ps(buf + i, mask, _mm512_cvtph_ps(halves));
+  }
+  return buf;
+}
 
+// One output row at a time; ROWS activation rows share its codes. A single row keeps four
+// independent accumulators (one per 16 columns of a chunk) so that the multiply-adds do not
+// wait on each other; more rows are independent chains already.
 template <int ROWS, typename S>
-void gemv_rows(const float* x, int64_t M_stride, const uint8_t* codes, const S* scales, const S* offsets,
+void gemv_rows(const float* x, int64_t x_stride, const uint8_t* codes, const S* scales, const S* offsets,
                int64_t n_begin, int64_t n_end, int64_t K, int64_t G, int bits, float* out, int64_t out_stride) {
+  constexpr int kAcc = ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
   const int64_t row_bytes = bits == 8 ? K : K / 2;
   const int64_t groups = K / G;
+  const int64_t blocks_per_group = G / 16;
+  std::vector<float> scale_buf(groups), offset_buf(groups);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const uint8_t* w = codes + n * row_bytes;
-    const S* s = scales + n * groups;
-    const S* o = offsets + n * groups;
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    const float* s = as_float(scales + n * groups, scale_buf.data(), groups);
+    const float* o = as_float(offsets + n * groups, offset_buf.data(), groups);
+    __m512 acc[ROWS][kAcc];
+    for (int r = 0; r < ROWS; ++r)
+      for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm512_setzero_ps();
+    int64_t g = 0, blocks_left = blocks_per_group;  // the group of the current 16 columns (no division)
     for (int64_t c = 0; c < K; c += kChunk) {
       const int64_t width = std::min(kChunk, K - c);
-      for (int j = 0; j < width / 16; ++j) {
+      __m512i q[4];
+      const int parts = load_chunk(w, c, width, bits, q);
+      for (int j = 0; j < parts; ++j) {
         const int64_t col = c + 16 * j;
-        const int64_t g = col / G;
-        const __m512 weight = _mm512_fmadd_ps(_mm512_cvtepi32_ps(codes16(w, c, width, j, bits)),
-                                              _mm512_set1_ps(scalar(s[g])), _mm512_set1_ps(scalar(o[g])));
+        const __m512 weight = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[j]), _mm512_set1_ps(s[g]), _mm512_set1_ps(o[g]));
         for (int r = 0; r < ROWS; ++r) {
-          acc[r] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + r * M_stride + col), acc[r]);
+          acc[r][j % kAcc] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(x + r * x_stride + col), acc[r][j % kAcc]);
+        }
+        if (--blocks_left == 0) {
+          ++g;
+          blocks_left = blocks_per_group;
         }
       }
     }
-    for (int r = 0; r < ROWS; ++r) out[r * out_stride + n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 total = acc[r][0];
+      for (int a = 1; a < kAcc; ++a) total = _mm512_add_ps(total, acc[r][a]);
+      out[r * out_stride + n] = _mm512_reduce_add_ps(total);
+    }
   }
 }
 
@@ -85,19 +124,17 @@ constexpr GemvFn<S> kGemv[kMaxRows] = {gemv_rows<1, S>, gemv_rows<2, S>, gemv_ro
                                        gemv_rows<5, S>, gemv_rows<6, S>, gemv_rows<7, S>, gemv_rows<8, S>};
 
 template <typename S>
-void run(const at::Tensor& x32, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
-         int64_t bits, int64_t group_size, at::Tensor& out) {
-  const int64_t M = x32.size(0), K = x32.size(1), N = codes.size(0);
-  const float* x_ptr = x32.data_ptr<float>();
+void run(const float* x, int64_t M, int64_t K, const at::Tensor& codes, const at::Tensor& scales,
+         const at::Tensor& offsets, int64_t bits, int64_t group_size, float* out) {
+  const int64_t N = codes.size(0);
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
   const S* scale_ptr = scales.data_ptr<S>();
   const S* offset_ptr = offsets.data_ptr<S>();
-  float* out_ptr = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = 0; m < M; m += kMaxRows) {
       const int64_t count = std::min(kMaxRows, M - m);
-      kGemv<S>[count - 1](x_ptr + m * K, K, code_ptr, scale_ptr, offset_ptr, begin, end, K, group_size,
-                          static_cast<int>(bits), out_ptr + m * N, N);
+      kGemv<S>[count - 1](x + m * K, K, code_ptr, scale_ptr, offset_ptr, begin, end, K, group_size,
+                          static_cast<int>(bits), out + m * N, N);
     }
   });
 }
@@ -118,12 +155,14 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(codes.size(1) == (bits == 8 ? K : K / 2), "codes do not match K");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size,
               "scales must be [N, K / group_size]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16");
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (scales.scalar_type() == at::kHalf) {
-    run<c10::Half>(x32, codes, scales, offsets, bits, group_size, out);
+    run<c10::Half>(x32.data_ptr<float>(), M, K, codes, scales, offsets, bits, group_size, out.data_ptr<float>());
   } else {
-    run<float>(x32, codes, scales, offsets, bits, group_size, out);
+    run<float>(x32.data_ptr<float>(), M, K, codes, scales, offsets, bits, group_size, out.data_ptr<float>());
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
