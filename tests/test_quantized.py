@@ -234,3 +234,13 @@ def test_unknown_quantization_is_a_load_error(tiny_llama_dir):
 
     with pytest.raises(ModelLoadError, match="quantization must be one of"):
         load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int3")
+
+
+def test_quantizing_with_tensor_parallelism_is_refused(tiny_llama_dir):
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.layers.parallel import Communicator
+    from tokenmill.models.loader import load_model
+
+    with pytest.raises(ModelLoadError, match="tensor parallelism"):
+        load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), shard=Communicator(0, 2),
+                   quantization="int8")
