@@ -51,3 +51,22 @@ def test_pack_linear_weights_swaps_modules():
     extra = pack_linear_weights(mlp)
     assert isinstance(mlp.gate_up_proj, CpuPackedGateUp) and type(mlp.down_proj) is CpuPackedLinear
     assert extra == (64 * 160 + 80 * 64) * 2
+
+
+@pytest.mark.parametrize("num_rows", [1, 8, 9, 64])  # the quantized kernel up to 8 rows, the packed copy above
+def test_quantized_layers_get_a_packed_copy_for_batches(num_rows):
+    from tokenmill.layers.quantized import QuantizedLinear, quantize_rtn
+
+    mlp = nn.Module()
+    mlp.gate_up_proj = QuantizedLinear(quantize_rtn(_weights(160, 64).float(), 4))
+    mlp.down_proj = QuantizedLinear(quantize_rtn(_weights(64, 96, seed=1).float(), 8))
+    extra = pack_linear_weights(mlp)
+    assert extra == (160 * 64 + 64 * 96) * 2
+    assert isinstance(mlp.gate_up_proj.batched, CpuPackedGateUp) and mlp.gate_up_proj.batched.weight is None
+    assert type(mlp.down_proj.batched) is CpuPackedLinear and mlp.down_proj.batched.weight is None
+    x = _weights(num_rows, 64, seed=2) * 20
+    gate, up = F.linear(x.float(), mlp.gate_up_proj.qweight.dequantize()).chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(mlp.gate_up_proj, x).float(), F.silu(gate) * up, atol=3e-2, rtol=2e-2)
+    y = _weights(num_rows, 96, seed=3) * 20
+    torch.testing.assert_close(mlp.down_proj(y).float(), F.linear(y.float(), mlp.down_proj.qweight.dequantize()),
+                               atol=3e-2, rtol=2e-2)

@@ -26,17 +26,21 @@ def resolve_device(device: str = "auto") -> torch.device:
     return resolved
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX)."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.platform import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "quant_gemv.cpp")]
@@ -49,14 +51,6 @@ def load_cpu_kernels() -> bool:
         logger.warning("CPU kernels unavailable, using the PyTorch path: %s", first_line)
         return False
     return True
-
-
-def cpu_flags() -> set[str]:
-    try:
-        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return set()
-    return set(line.split(":", 1)[1].split())
 
 
 @functools.cache

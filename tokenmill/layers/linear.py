@@ -5,6 +5,9 @@ row-major weight, but for one activation row (single-stream decode) ATen's own m
 kernel (torch.mv, which never goes through oneDNN) is as fast or faster. CpuPackedLinear keeps
 the two copies and picks per call. Applied by swapping modules after loading, so model code
 stays plain nn.Linear.
+
+A quantized linear (layers/quantized.py) gets only the packed copy, of its dequantized weight,
+for batches: its few-row calls read the quantized codes, so no plain bf16 copy is kept.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.layers.quantized import QuantizedLinear
 
 # At most this many rows go to ATen's matrix-vector kernel instead of oneDNN.
 SMALL_BATCH_ROWS = 1
@@ -28,16 +33,18 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class CpuPackedLinear(nn.Module):
-    """y = x @ W.T + b with W held plain (for one row) and oneDNN-packed (for more)."""
+    """y = x @ W.T + b with W held plain (for one row) and oneDNN-packed (for more); without
+    keep_plain, only packed (every call goes through oneDNN)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int = 64) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_size_hint: int = 64,
+                 keep_plain: bool = True) -> None:
         super().__init__()
-        self.weight = weight  # plain [out, in]; may be shared with a tied embedding
+        self.weight = weight if keep_plain else None  # plain [out, in]; may be shared with a tied embedding
         self.bias = bias
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= SMALL_BATCH_ROWS:
+        if x.shape[0] <= SMALL_BATCH_ROWS and self.weight is not None:
             out = torch.mv(self.weight, x[0])
             return (out if self.bias is None else out + self.bias).unsqueeze(0)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -48,46 +55,69 @@ class CpuPackedGateUp(CpuPackedLinear):
     inside oneDNN's GEMMs: SiLU as the gate GEMM's post-op, the product as the up GEMM's (both in
     float32, rounded once), with no separate passes over the two [tokens, intermediate] outputs."""
 
-    def __init__(self, weight: torch.Tensor, batch_size_hint: int = 64) -> None:
+    def __init__(self, weight: torch.Tensor, batch_size_hint: int = 64, keep_plain: bool = True) -> None:
         nn.Module.__init__(self)
-        self.weight, self.bias = weight, None
+        self.weight, self.bias = weight if keep_plain else None, None
         half = weight.shape[0] // 2
         self.packed_gate = torch.ops.mkldnn._reorder_linear_weight(weight[:half].contiguous(), batch_size_hint)
         self.packed_up = torch.ops.mkldnn._reorder_linear_weight(weight[half:].contiguous(), batch_size_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # the plain projection, for any other caller
-        if x.shape[0] <= SMALL_BATCH_ROWS:
+        if x.shape[0] <= SMALL_BATCH_ROWS and self.weight is not None:
             return super().forward(x)
         return torch.cat([torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                           for w in (self.packed_gate, self.packed_up)], dim=-1)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= SMALL_BATCH_ROWS and self.weight is not None:
+            return _plain_silu_and_mul(self, x)
         gate = torch.ops.mkldnn._linear_pointwise(x, self.packed_gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.packed_up, None, "mul")
 
 
 def silu_and_mul(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """silu(x @ W_gate.T) * (x @ W_up.T) for a fused [gate; up] projection module."""
-    if isinstance(gate_up, CpuPackedGateUp) and x.shape[0] > SMALL_BATCH_ROWS:
+    """silu(x @ W_gate.T) * (x @ W_up.T) for a fused [gate; up] projection module (fused into the
+    GEMMs where the module can)."""
+    if isinstance(gate_up, (CpuPackedGateUp, QuantizedLinear)):
         return gate_up.silu_and_mul(x)
+    return _plain_silu_and_mul(gate_up, x)
+
+
+def _plain_silu_and_mul(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up(x).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None, is_gate_up: bool, keep_plain: bool) -> CpuPackedLinear:
+    if is_gate_up and bias is None:
+        return CpuPackedGateUp(weight, keep_plain=keep_plain)
+    return CpuPackedLinear(weight, bias, keep_plain=keep_plain)
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Replace every nn.Linear of the model by a CpuPackedLinear (CpuPackedGateUp for the fused
-    gate/up projections, named gate_up_proj); returns the extra bytes used."""
+    gate/up projections, named gate_up_proj), and give every QuantizedLinear a packed copy of its
+    dequantized weight for batches; returns the extra bytes used."""
     extra = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                weight, bias = child.weight.data, None if child.bias is None else child.bias.data
-                gate_up = name == "gate_up_proj" and bias is None
-                packed = CpuPackedGateUp(weight) if gate_up else CpuPackedLinear(weight, bias)
-                setattr(parent, name, packed)
+                bias = None if child.bias is None else child.bias.data
+                setattr(parent, name, _packed(child.weight.data, bias, name == "gate_up_proj", keep_plain=True))
                 extra += child.weight.numel() * child.weight.element_size()
+            elif isinstance(child, QuantizedLinear):
+                weight = child.qweight.dequantize(torch.bfloat16)
+                child.batched = _packed(weight, child.bias, name == "gate_up_proj", keep_plain=False)
+                extra += weight.numel() * weight.element_size()
     return extra
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+    """What pack_linear_weights would add: a bf16 copy of every linear's weight."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, QuantizedLinear):
+            total += m.out_features * m.in_features * 2
+    return total

@@ -9,10 +9,11 @@ Q4_0 is 4-bit with o = -8 s, Q4_1 and Q4_K 4-bit with o = their min, Q8_0 8-bit 
 and o = -128 s, Q5_K 8-bit, Q6_K 8-bit with G = 16 (see models/gguf_quants.py).
 
 A few rows (decode) go through our AVX-512 kernel (csrc/quant_gemv.cpp), which reads the codes
-from memory as they are and keeps the activations in float32; more rows (prefill, large decode
-batches) dequantize the weight to the activations' dtype and use the dense matmul, where the
-matrix units pay for the conversion. Without the kernel (no AVX-512, CUDA) every call
-dequantizes: correct, not fast.
+from memory as they are and keeps the activations in float32. More rows (prefill, large decode
+batches) use `batched`, a dense module over the dequantized weight that layers/linear.py packs
+for oneDNN once at load on bf16 CPUs, so the matrix units run them; where there is none, a call
+dequantizes the weight for itself. Without the kernel (no AVX-512, CUDA) few rows go the same
+way: correct, not fast.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.layers.cpu_kernels import quant_gemv_available
 
 CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
 GEMV_MAX_ROWS = 8  # at most this many rows go through the matrix-vector kernel
@@ -155,18 +158,20 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     return QuantizedWeight(torch.cat([p.codes for p in parts]).contiguous(), scales, offsets, bits, group)
 
 
+def uses_kernel(x: torch.Tensor) -> bool:
+    """Whether x (its rows) goes through the quantized matrix-vector kernel."""
+    return x.device.type == "cpu" and x.shape[0] <= GEMV_MAX_ROWS and _kernel_available()
+
+
 def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, N] in x's dtype."""
-    if x.device.type == "cpu" and x.shape[0] <= GEMV_MAX_ROWS and _kernel_available():
+    if uses_kernel(x):
         return torch.ops.tokenmill.quant_gemv(x, qweight.codes, qweight.scales, qweight.offsets, qweight.bits,
                                               qweight.group_size)
     return F.linear(x, qweight.dequantize(x.dtype))
 
 
-def _kernel_available() -> bool:
-    from tokenmill.layers.cpu_kernels import quant_gemv_available
-
-    return quant_gemv_available()
+_kernel_available = quant_gemv_available  # a name of this module's own, for tests to switch off
 
 
 class QuantizedLinear(nn.Module):
@@ -177,14 +182,34 @@ class QuantizedLinear(nn.Module):
         self.qweight = qweight
         self.bias = bias
         self.out_features, self.in_features = qweight.shape
+        self.batched: nn.Module | None = None  # the dense module for many rows, where one was made
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batched is not None and not uses_kernel(x):
+            return self.batched(x)
         out = quantized_matmul(x, self.qweight)
         return out if self.bias is None else out + self.bias
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """As a fused [gate; up] projection: silu(gate) * up, inside the GEMMs when `batched` can."""
+        if self.batched is not None and not uses_kernel(x) and hasattr(self.batched, "silu_and_mul"):
+            return self.batched.silu_and_mul(x)
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def extra_repr(self) -> str:
         q = self.qweight
         return f"in={self.in_features}, out={self.out_features}, bits={q.bits}, group={q.group_size}"
+
+
+def quantize_linear_layers(module: nn.Module, bits: int, group_size: int = 32) -> None:
+    """Swap every nn.Linear inside `module` whose width divides into groups for a QuantizedLinear
+    with its weight rounded to nearest (weight-only)."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % group_size == 0:
+                bias = None if child.bias is None else child.bias.data
+                setattr(parent, name, QuantizedLinear(quantize_rtn(child.weight.data, bits, group_size), bias))
 
 
 class QuantizedEmbedding(nn.Module):

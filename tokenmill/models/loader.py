@@ -8,13 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
 from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
 from tokenmill.layers.parallel import Communicator
-from tokenmill.layers.quantized import QuantizedLinear, quantize_rtn
+from tokenmill.layers.quantized import quantize_linear_layers
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
 from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
@@ -141,8 +140,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
         net.load_weights(shard_weights(weights, config, shard))
         wrap_parallel(net, config.vocab_size, shard)
     net.eval()
-    if quantization in ("int8", "int4"):
-        quantize_linears(net, 8 if quantization == "int8" else 4)
+    if quantization in ("int8", "int4"):  # the decoder layers' linears; embedding and head keep their dtype
+        quantize_linear_layers(net.layers, 8 if quantization == "int8" else 4)
     maybe_pack_weights(net, dtype, device)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     eos = tokenizer.eos_token_id if tokenizer is not None else None
@@ -179,18 +178,6 @@ def maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torc
         logger.info("not packing weights for oneDNN: %d MB extra would not fit comfortably", extra >> 20)
         return
     pack_linear_weights(net)
-
-
-def quantize_linears(net: DecoderForCausalLM, bits: int) -> None:
-    """Weight-only round-to-nearest quantization (groups of 32) of every decoder layer's linears;
-    the embedding and the head keep their dtype. Already-quantized layers are left as they are."""
-    for layer in net.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            linear = getattr(parent, name)
-            if isinstance(linear, nn.Linear) and linear.in_features % 32 == 0:
-                bias = None if linear.bias is None else linear.bias.data
-                setattr(parent, name, QuantizedLinear(quantize_rtn(linear.weight.data, bits), bias))
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
