@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from tokenmill.layers import quantized
-from tokenmill.layers.cpu_kernels import quant_gemv_available
+from tokenmill.layers.cpu_kernels import kernels_available, quant_gemv_q8_available
 from tokenmill.layers.quantized import (
     QuantizedLinear, QuantizedWeight, concat_rows, pack_nibbles, quantize_rtn, quantized_matmul, unpack_nibbles,
 )
 from tokenmill.models.gguf_quants import QUANTIZED_TYPES, repack
 
-needs_kernel = pytest.mark.skipif(not quant_gemv_available(), reason="the quantized kernel needs AVX-512")
+needs_kernel = pytest.mark.skipif(not kernels_available(), reason="the quantized kernel needs AVX-512")
+needs_q8_kernel = pytest.mark.skipif(not quant_gemv_q8_available(), reason="8-bit activations need AVX-512 VNNI")
 
 
 def random_weight(rows: int, cols: int, bits: int, group: int, seed: int = 0, half: bool = False) -> QuantizedWeight:
@@ -51,14 +52,16 @@ def test_nibble_packing_round_trips_with_the_documented_byte_order(cols):
         assert int(packed[1, tail // 2 + 3]) == int(u[1, tail + 3]) | int(u[1, tail + 19]) << 4
 
 
+def layouts(pairs):
+    """(bits, group, cols) for the widths (with and without a 32-column tail) each group divides."""
+    return [(bits, group, cols) for bits, group in pairs for cols in (32, 96, 576, 1536) if cols % group == 0]
+
+
 @needs_kernel
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16), (4, 16), (8, 64)])
-@pytest.mark.parametrize("cols", [32, 96, 576, 1536])
+@pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 16), (4, 16), (8, 64)]))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("half", [False, True])
 def test_kernel_matches_float64_reference(bits, group, cols, rows, half):
-    if cols % group:
-        pytest.skip("group does not divide the width")
     q = random_weight(45, cols, bits, group, seed=cols + rows, half=half)  # 45 outputs: not a multiple of the split
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     want = x.double() @ reference_weight(q).T
@@ -78,6 +81,46 @@ def test_kernel_takes_half_precision_activations(dtype):
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+def activation_rounding_bound(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
+    """[M, N]: the most that rounding x to 8 bits per group can move x @ W.T in quant_gemv_q8:
+    sum over groups of |scale| * (max |x| / 127) / 2 * sum of the group's codes."""
+    groups = x.shape[1] // q.group_size
+    step = x.double().abs().view(x.shape[0], groups, q.group_size).amax(dim=-1) / 127  # [M, groups]
+    code_sums = q.unpacked_codes().double().view(q.shape[0], groups, q.group_size).sum(dim=-1)  # [N, groups]
+    return (step / 2) @ (q.scales.double().abs() * code_sums).T
+
+
+@needs_q8_kernel
+@pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 16), (4, 16), (8, 64), (4, 128)]))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype):
+    q = random_weight(45, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    want = x.double() @ reference_weight(q).T
+    got = torch.ops.tokenmill.quant_gemv_q8(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
+    assert got.dtype == dtype
+    bound = activation_rounding_bound(x, q) + 1e-5 * (x.double().abs() @ reference_weight(q).abs().T)
+    if dtype == torch.bfloat16:
+        bound += want.abs() * 2**-8  # the result's own rounding
+    error = (got.double() - want).abs()
+    assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
+    assert error.max() > 0  # the activations really were rounded: this is not the float32 kernel
+
+
+@needs_q8_kernel
+def test_half_precision_activations_take_the_8_bit_kernel_and_float32_ones_do_not(monkeypatch):
+    q = random_weight(64, 576, 4, 32)
+    x = torch.randn(2, 576)
+    exact = torch.ops.tokenmill.quant_gemv(x, q.codes, q.scales, q.offsets, 4, 32)
+    assert torch.equal(quantized_matmul(x, q), exact)
+    x16 = x.bfloat16()
+    q8 = torch.ops.tokenmill.quant_gemv_q8(x16, q.codes, q.scales, q.offsets, 4, 32)
+    assert torch.equal(quantized_matmul(x16, q), q8)
+    monkeypatch.setattr(quantized, "_q8_kernel_available", lambda: False)  # a CPU without VNNI
+    assert torch.equal(quantized_matmul(x16, q), torch.ops.tokenmill.quant_gemv(x16, q.codes, q.scales, q.offsets, 4, 32))
+
+
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 17, 64])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_matmul_any_row_count(rows, bits, monkeypatch):
@@ -90,7 +133,7 @@ def test_quantized_matmul_any_row_count(rows, bits, monkeypatch):
 
 
 def test_kernel_refuses_mismatched_shapes():
-    if not quant_gemv_available():
+    if not kernels_available():
         pytest.skip("no kernel")
     q = random_weight(8, 64, 4, 32)
     with pytest.raises(RuntimeError, match="codes do not match K"):

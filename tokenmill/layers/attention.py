@@ -237,8 +237,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         head_dim = k_cache.shape[-1]
         num_heads = q.shape[1]
-        self._write_keys(k_cache, metadata, k.transpose(0, 1).reshape(-1, head_dim))
-        v_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, v.transpose(0, 1).reshape(-1, head_dim))
+        self._write_kv(k_cache, v_cache, metadata, k, v)
         decode, prefill = metadata.decode, metadata.prefill
         if decode is not None and decode.covers_batch:  # a pure decode step: no scatter into `out`
             return self._decode(q, k_cache, v_cache, decode, scale)
@@ -249,10 +248,13 @@ class TorchPagedAttention:
             out[prefill.token_index] = self._prefill(q, k_cache, v_cache, prefill, scale)
         return out
 
-    def _write_keys(self, k_cache: torch.Tensor, metadata: AttentionMetadata, keys: torch.Tensor) -> None:
-        """keys [kv_heads * T, head_dim] into the cache rows metadata.write_index (of the cache viewed as
-        [-1, head_dim])."""
-        k_cache.view(-1, keys.shape[1]).index_copy_(0, metadata.write_index, keys)
+    def _write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                  k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's keys and values [T, kv_heads, head_dim] into the cache rows metadata.write_index
+        (of each cache viewed as [-1, head_dim])."""
+        head_dim = k_cache.shape[-1]
+        k_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, k.transpose(0, 1).reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, v.transpose(0, 1).reshape(-1, head_dim))
 
     def _gather_keys(self, k_cache: torch.Tensor, gather_index: torch.Tensor, context_len: int) -> torch.Tensor:
         """The blocks of gather_index as keys [kv_heads, B, context_len, head_dim] (a workspace view)."""

@@ -22,7 +22,6 @@ from tokenmill.layers.cpu_kernels import kernels_enabled, load_cpu_kernels
 
 MAX_QUERY_GROUPS = 8
 MAX_HEAD_DIM = 256
-_PAIR_DTYPES = {2: torch.int32, 4: torch.int64}  # element size -> the integer type of a pair
 
 
 def kernel_supports(head_dim: int, num_query_groups: int, dtype: torch.dtype) -> bool:
@@ -47,9 +46,7 @@ class KernelDecodeBucket:
 
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
-    # [kv_heads * T * head_dim / 2]: where each dimension pair of each new key goes, as elements of
-    # the key cache viewed as one pair per element (the column layout below)
-    key_write_index: torch.Tensor
+    slots: torch.Tensor  # [T] int64: block * block_size + offset of each new token, for write_kv
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -63,12 +60,8 @@ class CpuPagedAttention(TorchPagedAttention):
     def build_metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                        geometry: CacheGeometry) -> CpuAttentionMetadata:
         common = super().build_metadata(query_lens, context_lens, block_tables, geometry)
-        block_size, half = geometry.block_size, geometry.head_dim // 2
-        write_index = common.write_index
-        block_rows, offsets = write_index // block_size, write_index % block_size
-        pairs = torch.arange(half, device=write_index.device) * block_size
-        key_write_index = ((block_rows * (half * block_size) + offsets)[:, None] + pairs[None, :]).flatten()
-        return CpuAttentionMetadata(**vars(common), key_write_index=key_write_index)
+        # head 0's cache rows are the slots themselves
+        return CpuAttentionMetadata(**vars(common), slots=common.write_index[: common.num_tokens].contiguous())
 
     def _decode_bucket(self, step: StepLayout, members: torch.Tensor,
                        geometry: CacheGeometry) -> KernelDecodeBucket:
@@ -81,10 +74,9 @@ class CpuPagedAttention(TorchPagedAttention):
             context_len=num_blocks * geometry.block_size,
         )
 
-    def _write_keys(self, k_cache: torch.Tensor, metadata: CpuAttentionMetadata, keys: torch.Tensor) -> None:
-        # Each (dimension pair) of a key is one element of a twice-as-wide integer view of the cache.
-        pair_dtype = _PAIR_DTYPES[k_cache.element_size()]
-        k_cache.view(-1).view(pair_dtype).index_copy_(0, metadata.key_write_index, keys.view(pair_dtype).flatten())
+    def _write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: CpuAttentionMetadata,
+                  k: torch.Tensor, v: torch.Tensor) -> None:
+        torch.ops.tokenmill.write_kv.default(k, v, k_cache, v_cache, metadata.slots)
 
     def _gather_keys(self, k_cache: torch.Tensor, gather_index: torch.Tensor, context_len: int) -> torch.Tensor:
         num_kv_heads, num_blocks, block_size, head_dim = k_cache.shape

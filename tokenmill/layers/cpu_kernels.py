@@ -1,7 +1,9 @@
 """Our C++ CPU kernels (csrc/), built on first use with the machine's compiler.
 
 One extension holds them all: paged decode attention (paged_decode.cpp) and quantized-weight
-matrix-vector products (quant_gemv.cpp). The build takes ~15 s once and is cached by
+matrix-vector products, with float32 activations (quant_gemv.cpp) and, on CPUs with AVX-512
+VNNI, with 8-bit ones (quant_gemv_q8.cpp), and the small fused steps of every layer (fused_ops.cpp:
+RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write). The build takes ~15 s once and is cached by
 torch.utils.cpp_extension under ~/.cache/torch_extensions, keyed by this CPU's feature flags
 (builds use -march=native). Everything here needs AVX-512; where the build is unavailable, or
 with TOKENMILL_CPU_KERNELS=0, callers use their PyTorch paths.
@@ -22,7 +24,7 @@ from tokenmill.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "quant_gemv.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "fused_ops.cpp")]
 
 
 def kernels_enabled() -> bool:
@@ -54,8 +56,16 @@ def load_cpu_kernels() -> bool:
 
 
 @functools.cache
-def quant_gemv_available() -> bool:
+def kernels_available() -> bool:
+    """Enabled and built: the ops are registered under torch.ops.tokenmill."""
     return kernels_enabled() and load_cpu_kernels()
+
+
+
+@functools.cache
+def quant_gemv_q8_available() -> bool:
+    """The 8-bit-activation kernel is built only where the compiler targets AVX-512 VNNI."""
+    return kernels_available() and "avx512_vnni" in cpu_flags()
 
 
 def _build_fingerprint() -> str:

@@ -13,9 +13,9 @@ for batches: its few-row calls read the quantized codes, so no plain bf16 copy i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.activation import silu_and_mul as fused_silu_and_mul
 from tokenmill.layers.quantized import QuantizedLinear
 
 # At most this many rows go to ATen's matrix-vector kernel instead of oneDNN.
@@ -84,8 +84,7 @@ def silu_and_mul(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_silu_and_mul(gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up(x).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return fused_silu_and_mul(gate_up(x))
 
 
 def _packed(weight: torch.Tensor, bias: torch.Tensor | None, is_gate_up: bool, keep_plain: bool) -> CpuPackedLinear:

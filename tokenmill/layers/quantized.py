@@ -8,8 +8,11 @@ codes u, and per group of G consecutive input columns of an output row a scale s
 Q4_0 is 4-bit with o = -8 s, Q4_1 and Q4_K 4-bit with o = their min, Q8_0 8-bit with u = q + 128
 and o = -128 s, Q5_K 8-bit, Q6_K 8-bit with G = 16 (see models/gguf_quants.py).
 
-A few rows (decode) go through our AVX-512 kernel (csrc/quant_gemv.cpp), which reads the codes
-from memory as they are and keeps the activations in float32. More rows (prefill, large decode
+A few rows (decode) go through our AVX-512 kernels, which read the codes from memory as they are.
+float32 activations stay float32 (csrc/quant_gemv.cpp: the dequantized weight's product up to
+float32 rounding). bfloat16/float16 ones, on CPUs with AVX-512 VNNI, are rounded to 8 bits per
+group of the weight's (csrc/quant_gemv_q8.cpp, as llama.cpp does): twice the speed, an error of at
+most half an activation step per group (benchmarks/perplexity.py measures what that costs). More rows (prefill, large decode
 batches) use `batched`, a dense module over the dequantized weight that layers/linear.py packs
 for oneDNN once at load on bf16 CPUs, so the matrix units run them; where there is none, a call
 dequantizes the weight for itself. Without the kernel (no AVX-512, CUDA) few rows go the same
@@ -24,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.cpu_kernels import quant_gemv_available
+from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.cpu_kernels import kernels_available, quant_gemv_q8_available
 
 CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
 GEMV_MAX_ROWS = 8  # at most this many rows go through the matrix-vector kernel
@@ -166,12 +170,17 @@ def uses_kernel(x: torch.Tensor) -> bool:
 def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, N] in x's dtype."""
     if uses_kernel(x):
-        return torch.ops.tokenmill.quant_gemv(x, qweight.codes, qweight.scales, qweight.offsets, qweight.bits,
-                                              qweight.group_size)
+        if x.dtype != torch.float32 and _q8_kernel_available():
+            op = torch.ops.tokenmill.quant_gemv_q8.default
+        else:
+            op = torch.ops.tokenmill.quant_gemv.default
+        return op(x, qweight.codes, qweight.scales, qweight.offsets, qweight.bits, qweight.group_size)
     return F.linear(x, qweight.dequantize(x.dtype))
 
 
-_kernel_available = quant_gemv_available  # a name of this module's own, for tests to switch off
+# names of this module's own, for tests to switch the kernels off
+_kernel_available = kernels_available
+_q8_kernel_available = quant_gemv_q8_available
 
 
 class QuantizedLinear(nn.Module):
@@ -194,8 +203,7 @@ class QuantizedLinear(nn.Module):
         """As a fused [gate; up] projection: silu(gate) * up, inside the GEMMs when `batched` can."""
         if self.batched is not None and not uses_kernel(x) and hasattr(self.batched, "silu_and_mul"):
             return self.batched.silu_and_mul(x)
-        gate, up = self(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(self(x))
 
     def extra_repr(self) -> str:
         q = self.qweight

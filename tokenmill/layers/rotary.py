@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.layers.cpu_kernels import kernels_available
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -73,6 +75,12 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = emb.cos().to(device)
         self.sin_cache = emb.sin().to(device)
 
+    def step(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeStep:
+        """What every layer of one step rotates by."""
+        if positions.device.type == "cpu" and _fused_available():
+            return RopeStep(positions, self.cos_cache, self.sin_cache, None)
+        return RopeStep(positions, self.cos_cache, self.sin_cache, self.cos_sin(positions, dtype))
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for one step, shared by every layer: ([T, 1, head_dim], [T, 1, head_dim]).
 
@@ -86,6 +94,27 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+@dataclass
+class RopeStep:
+    """One step's rotation: in place by our CPU kernel (csrc/fused_ops.cpp) from the float32
+    tables, or with PyTorch ops from per-step tables in the model's dtype."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_cache: torch.Tensor  # [max_positions, head_dim] float32
+    sin_cache: torch.Tensor
+    tables: tuple[torch.Tensor, torch.Tensor] | None  # RotaryEmbedding.cos_sin, for the PyTorch path
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] -> rotated (x itself, rotated in place, on the kernel path)."""
+        if self.tables is None:
+            torch.ops.tokenmill.rotary_.default(x, self.positions, self.cos_cache, self.sin_cache)
+            return x
+        return apply_rotary(x, *self.tables)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim] rotated by the tables from RotaryEmbedding.cos_sin."""
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
+_fused_available = kernels_available  # a name of this module's own, for tests to switch off

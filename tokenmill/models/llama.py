@@ -19,9 +19,7 @@ from tokenmill.layers.attention import AttentionContext
 from tokenmill.layers.linear import silu_and_mul
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concat_rows
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]
+from tokenmill.layers.rotary import RopeStep, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -39,7 +37,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, rope: RopeStep, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         # x: [T, hidden]
         qkv = self.qkv_proj(x)
         num_tokens = qkv.shape[0]
@@ -47,12 +45,12 @@ class Attention(nn.Module):
         if self.q_norm is None:
             # q and k are adjacent in the fused output: rotate both with one set of ops
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rotary(qk, *rope)
+            qk = rope.rotate(qk)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = rope.rotate(q), rope.rotate(k)
         out = ctx.attend(self.layer_index, q, k, v, self.scale)  # [T, num_heads * head_dim]
         return self.o_proj(out)
 
@@ -75,9 +73,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: RopeStep, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings at layer 0); residual: the sum of
+        everything before it (None at layer 0), added to in place. Returns this layer's MLP output
+        and the residual, so that each add is fused into the RMSNorm after it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(rope, h, ctx), residual)
+        return self.mlp(h), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -95,10 +101,11 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, x.dtype)
+        rope = self.rotary.step(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, ctx)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, ctx)
+        return self.norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> float32 logits [N, vocab]

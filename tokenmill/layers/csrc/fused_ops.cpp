@@ -1,0 +1,205 @@
+// The small per-layer steps of a forward pass, one op each instead of 3-10 PyTorch ops: at decode
+// the tensors are a few hundred elements and each op's fixed cost (~2-5 us of dispatch and
+// allocation) is most of the time.
+//
+//   rms_norm(x [T, H], w [H], eps) -> y                y = w * x / rms(x)
+//   add_rms_norm_(x, residual, w, eps) -> y            residual += x (in place); y = rms_norm(residual)
+//   rotary_(x [T, heads, D], positions [T], cos, sin)  rotate-half rotary embedding, in place;
+//                                                      cos/sin: float32 [max_positions, D] tables
+//   silu_and_mul(x [T, 2I]) -> [T, I]                  silu(x[:, :I]) * x[:, I:]
+//   write_kv(k [T, kv_heads, D], v, k_cache, v_cache, slots [T])
+//                                                      the new keys and values into the paged cache
+//                                                      (keys by column; layouts in paged_decode.cpp)
+//
+// Arithmetic is float32, rounded once to the tensors' dtype (float32, bfloat16 or float16); the
+// residual sum is rounded before it is normalised, as the unfused PyTorch code does.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename Fn>
+void for_dtype(const at::Tensor& t, const char* name, Fn&& fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": expected float32, bfloat16 or float16");
+  }
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": x must be [T, H] with unit column stride");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(), name, ": weight must be [H]");
+}
+
+// y[t] = w * r[t] / rms(r[t]) where r is x (or residual += x first).
+template <typename T, typename W>
+void norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const W* w, T* y, int64_t rows,
+               int64_t hidden, double eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> r(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* xt = x + t * x_stride;
+      float squares = 0.0f;
+      if (residual != nullptr) {
+        T* rt = residual + t * res_stride;
+        for (int64_t i = 0; i < hidden; ++i) {
+          rt[i] = static_cast<T>(static_cast<float>(rt[i]) + static_cast<float>(xt[i]));
+          r[i] = static_cast<float>(rt[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) r[i] = static_cast<float>(xt[i]);
+      }
+      for (int64_t i = 0; i < hidden; ++i) squares += r[i] * r[i];
+      const float inv_rms = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
+      T* yt = y + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i) yt[i] = static_cast<T>(r[i] * inv_rms * static_cast<float>(w[i]));
+    }
+  });
+}
+
+at::Tensor norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& w, double eps) {
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  for_dtype(x, "rms_norm", [&](auto xt) {
+    using T = decltype(xt);
+    T* res = residual == nullptr ? nullptr : residual->data_ptr<T>();
+    const int64_t res_stride = residual == nullptr ? 0 : residual->stride(0);
+    for_dtype(w, "rms_norm weight", [&](auto wt) {
+      using W = decltype(wt);
+      norm_rows<T, W>(x.data_ptr<T>(), x.stride(0), res, res_stride, w.data_ptr<W>(), y.data_ptr<T>(), x.size(0),
+                      x.size(1), eps);
+    });
+  });
+  return y;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, w, "rms_norm");
+  return norm(x, nullptr, w, eps);
+}
+
+at::Tensor add_rms_norm_(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, double eps) {
+  check_rows(x, w, "add_rms_norm_");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: residual must be like x");
+  return norm(x, &residual, w, eps);
+}
+
+void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: x must be [T, heads, head_dim] with unit stride last");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == x.size(0) &&
+              positions.is_contiguous(), "rotary_: positions must be int64 [T]");
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+              sin.is_contiguous(), "rotary_: cos and sin must be contiguous float32 [max_positions, head_dim]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_: position ", pos[t], " is past the table");
+  }
+  for_dtype(x, "rotary_", [&](auto xt) {
+    using S = decltype(xt);
+    S* base = x.data_ptr<S>();
+    const float* c = cos.data_ptr<float>();
+    const float* s = sin.data_ptr<float>();
+    at::parallel_for(0, T * heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / heads, h = i % heads;
+        S* row = base + t * x.stride(0) + h * x.stride(1);
+        const float* ct = c + pos[t] * D;
+        const float* st = s + pos[t] * D;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = static_cast<float>(row[j]), b = static_cast<float>(row[j + half]);
+          row[j] = static_cast<S>(a * ct[j] - b * st[j]);
+          row[j + half] = static_cast<S>(b * ct[j + half] + a * st[j + half]);
+        }
+      }
+    });
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [T, 2I]");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, x.options());
+  for_dtype(x, "silu_and_mul", [&](auto xt) {
+    using S = decltype(xt);
+    const S* in = x.data_ptr<S>();
+    S* o = out.data_ptr<S>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const S* gate = in + t * x.stride(0);
+        for (int64_t i = 0; i < I; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          o[t * I + i] = static_cast<S>(g / (1.0f + std::exp(-g)) * static_cast<float>(gate[I + i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "write_kv: k and v must be [T, kv_heads, head_dim] with unit stride last");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.is_contiguous(), "write_kv: caches must be contiguous [kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "write_kv: keys and values must have their cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) &&
+              slots.is_contiguous(), "write_kv: slots must be int64 [T]");
+  const int64_t T = k.size(0), heads = k.size(1), D = k.size(2);
+  const int64_t blocks = k_cache.size(1), block_size = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(0) == heads && k_cache.size(3) == D && D % 2 == 0, "write_kv: shapes do not match");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < blocks * block_size, "write_kv: slot ", slot[t], " is past the cache");
+  }
+  const int64_t elem = k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  at::parallel_for(0, T * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+      const int64_t head_block = (h * blocks + block) * block_size * D;  // element index of the block
+      std::memcpy(vc + (head_block + offset * D) * elem, vp + (t * v.stride(0) + h * v.stride(1)) * elem, D * elem);
+      // keys: dimension pair p of token `offset` sits at [p, offset, 0:2] of the block
+      const char* key = kp + (t * k.stride(0) + h * k.stride(1)) * elem;
+      for (int64_t p = 0; p < D / 2; ++p) {
+        std::memcpy(kc + (head_block + (p * block_size + offset) * 2) * elem, key + 2 * p * elem, 2 * elem);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm_", add_rms_norm_);
+  m.impl("rotary_", rotary_);
+  m.impl("silu_and_mul", silu_and_mul);
+  m.impl("write_kv", write_kv);
+}
