@@ -90,9 +90,10 @@ def this_cpu() -> Accelerator:
 
 
 def cache_path() -> Path:
-    """$TOKENMILL_CACHE_DIR/cpu_peaks.json, by default under ~/.cache/tokenmill."""
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR", default)) / "cpu_peaks.json"
+    """cpu_peaks.json in tokenmill's cache directory (platform.cache_dir)."""
+    from tokenmill.platform import cache_dir
+
+    return cache_dir() / "cpu_peaks.json"
 
 
 def machine_busy_fraction(seconds: float = 0.25) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,13 @@ def resolve_device(device: str = "auto") -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise InvalidParameterError("device 'cuda' asked for but CUDA is not available", param="device")
     return resolved
+
+
+def cache_dir() -> Path:
+    """Where tokenmill keeps what it computes once per machine: $TOKENMILL_CACHE_DIR, by default
+    ~/.cache/tokenmill (under $XDG_CACHE_HOME where set)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR", default))
 
 
 def cpu_flags() -> set[str]:

@@ -54,15 +54,16 @@ def jsonl_requests(path: str, num: int, output_len: int) -> list[BenchRequest]:
 
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], request_rate: float,
                    max_concurrency: int | None, api_key: str | None, seed: int,
-                   progress=None) -> tuple[list[StreamRecord], float]:
-    """Send every request (Poisson arrivals, capped concurrency); returns the records and the duration."""
+                   progress=None, extra_body: dict | None = None) -> tuple[list[StreamRecord], float]:
+    """Send every request (Poisson arrivals, capped concurrency); returns the records and the duration.
+    extra_body: more fields for every request (a peer's own options, e.g. llama.cpp's cache_prompt)."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(max_concurrency or len(requests))
 
     async def one(request: BenchRequest) -> StreamRecord:
         async with gate:
             body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-                    "ignore_eos": True, "temperature": 0}
+                    "ignore_eos": True, "temperature": 0, **(extra_body or {})}
             record = await stream_request(base_url, "/v1/completions", body, api_key)
         if progress is not None:
             progress.update(1)

@@ -1,4 +1,5 @@
-"""Read a llama.cpp GGUF file: config from metadata, tensors dequantized via `gguf`."""
+"""Read a llama.cpp GGUF file: config from metadata, tensors repacked (quantized) or dequantized
+via `gguf` (the container itself: models/gguf_format.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.quantized import QuantizedWeight
+from tokenmill.models.gguf_format import GGUFContents, GGUFFormatError, StringArray
 from tokenmill.models.gguf_quants import QUANTIZED_TYPES, repack
 from tokenmill.models.registry import GGUF_PERMUTED_QK, resolve_architecture
 
@@ -38,23 +40,16 @@ class GGUFFile:
     """An opened GGUF file; raises ModelLoadError if it is not a readable GGUF."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
+            self.contents = GGUFContents(path)
+        except (GGUFFormatError, OSError) as exc:
             raise ModelLoadError(f"{path.name} is not a readable GGUF file: {exc}") from exc
-        self.tensor_names = {t.name for t in self.reader.tensors}
+        self.tensor_names = {t.name for t in self.contents.tensors}
 
     def metadata(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as exc:
-            raise ModelLoadError(f"{self.path.name}: unreadable metadata {key}: {exc}") from exc
+        value = self.contents.metadata.get(key, default)
+        return value.decode() if isinstance(value, StringArray) else value
 
     def model_config(self) -> ModelConfig:
         arch_name = self.metadata("general.architecture")
@@ -77,8 +72,7 @@ class GGUFFile:
                                  f"attention.head_count ({num_heads})")
         vocab = self.metadata(f"{arch_name}.vocab_size")
         if vocab is None:
-            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-            vocab = len(tokens.data) if tokens is not None else 0
+            vocab = len(self.contents.metadata.get("tokenizer.ggml.tokens", ()))
         rope_scaling = None
         if "rope_freqs.weight" in self.tensor_names:
             factors = self._tensor("rope_freqs.weight").tolist()
@@ -111,7 +105,7 @@ class GGUFFile:
     def _tensor(self, name: str) -> np.ndarray:
         import gguf
 
-        for t in self.reader.tensors:
+        for t in self.contents.tensors:
             if t.name == name:
                 try:
                     array = gguf.quants.dequantize(t.data, t.tensor_type)
@@ -125,7 +119,7 @@ class GGUFFile:
         """Yield (HF name, float32 tensor) with llama.cpp's Q/K permutation undone; with
         keep_quantized, matrices of the quantized types come as QuantizedWeight instead (repacked,
         not dequantized)."""
-        for t in self.reader.tensors:
+        for t in self.contents.tensors:
             if t.name == "rope_freqs.weight":
                 continue
             hf_name = _hf_name(t.name)

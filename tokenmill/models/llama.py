@@ -93,7 +93,10 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # an explicit (uninitialised) weight: nn.Embedding's own random init would import
+        # torch._dynamo on the meta device (~1 s of start-up); load_weights fills it
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)

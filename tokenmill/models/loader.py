@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.models.safetensors_loader import iter_safetensors
 from tokenmill.models.sharding import shard_config, shard_weights, wrap_parallel
-from tokenmill.platform import available_memory_bytes
+from tokenmill.platform import available_memory_bytes, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +84,49 @@ def load_model_config(model: str | Path | None) -> ModelConfig:
 
 
 def load_tokenizer(path: Path):
-    """HF fast tokenizer (with chat template) from a model directory or a GGUF file; never runs remote code."""
+    """HF fast tokenizer (with chat template) from a model directory or a GGUF file; never runs remote code.
+
+    Converting a GGUF's vocabulary takes transformers ~5 s (most of a start-up), so the result is
+    saved once under the cache directory, keyed by the file's path, size and modification time."""
     from transformers import AutoTokenizer
 
     try:
-        if path.is_file():
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        if not path.is_file():
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        cached = converted_tokenizer_dir(path)
+        if (cached / "tokenizer_config.json").is_file():
+            try:
+                return AutoTokenizer.from_pretrained(str(cached), trust_remote_code=False)
+            except Exception as exc:  # a damaged cache entry: convert again
+                logger.warning("ignoring the cached tokenizer in %s: %s", cached, str(exc).splitlines()[0])
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     except Exception as exc:  # transformers raises many kinds (OSError, ValueError, KeyError...)
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    _save_converted_tokenizer(tokenizer, cached)
+    return tokenizer
+
+
+def converted_tokenizer_dir(gguf_path: Path) -> Path:
+    import transformers
+
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    return cache_dir() / "tokenizers" / hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def _save_converted_tokenizer(tokenizer, target: Path) -> None:
+    """Written beside the target and renamed into place, so a reader never sees half of it; a
+    cache that cannot be written only costs the next start its time."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=target.parent))
+        tokenizer.save_pretrained(str(scratch))
+        try:
+            scratch.rename(target)
+        except OSError:  # another process got there first
+            shutil.rmtree(scratch, ignore_errors=True)
+    except OSError as exc:
+        logger.warning("could not cache the converted tokenizer in %s: %s", target, exc)
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,

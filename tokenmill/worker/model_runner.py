@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from tokenmill.engine.scheduler_output import SamplingRequest, SchedulerOutput
@@ -41,7 +44,8 @@ class ModelRunner:
         # [layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim]; zeroed so that unwritten
         # slots gathered with a block are finite (masked, but NaN * 0 would still poison softmax).
         shape = (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache = zeros_on_demand(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype,
+                                                                                                device=device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
 
     @torch.inference_mode()
@@ -88,3 +92,12 @@ def sampling_spec(request: SamplingRequest) -> SamplingSpec:
     may_stop = params.may_stop_at(len(request.output_token_ids) + 1)
     banned = [] if may_stop else sorted(request.stop_token_ids)
     return SamplingSpec(params, request.seed, request.prompt_token_ids, request.output_token_ids, banned)
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose memory becomes resident only where it is written: a private
+    anonymous mapping, whose pages the OS hands out zeroed on first write (torch.zeros would
+    write, and so commit, the whole pool at start)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)  # keeps `buffer` alive

@@ -1,0 +1,237 @@
+"""tokenmill against the servers a user would pick instead, one after the other, same weights, same client.
+
+  tokenmill   `tokenmill serve` on the default model (the GGUF's own Q4_1 weights)
+  llama.cpp   `llama-server` on the same GGUF (build it with ../shared/peers/build_llamacpp.sh)
+  vLLM        its CPU build's OpenAI server on an HF bf16 copy of the same weights, where installed
+
+Every server is driven by tokenmill's streaming client (tokenmill/bench) with the same token-id prompts
+(windows of benchmarks/data/mills.txt), greedy, ignore_eos, no prefix-cache hits between phases:
+  W1  three different 128-token prompts -> 128 tokens, one at a time (TTFT, decode tok/s)
+  W2  64 x 256 -> 128 all at once (total and output tok/s)
+  W3  64 x 256 -> 128 at concurrency 16 (TTFT p99, ITL median)
+It also records peak RSS of the server's whole process tree and the seconds from launch to answering
+/v1/models. Prints a table and one JSON line (ratios tokenmill / peer). Not in CI. Usage:
+    python benchmarks/peers.py [--llama-server PATH] [--vllm-python PATH --hf-dir DIR] [--skip NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from offline_throughput import build_prompts  # noqa: E402
+
+from tokenmill.bench.serve import BenchRequest, run_load, summarize  # noqa: E402
+
+DEFAULT_LLAMA_SERVER = Path.home() / ".cache/tokenmill-peers/llama.cpp/build/bin/llama-server"
+
+
+# ---- process tree memory --------------------------------------------------------------------
+def tree_rss_mb(root: int) -> float:
+    """Resident memory of `root` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            continue
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total / 2**20
+
+
+class PeakRss(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.done = pid, 0.0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.1):
+            self.peak = max(self.peak, tree_rss_mb(self.pid))
+
+
+# ---- servers ----------------------------------------------------------------------------------
+def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit("the server did not become ready")
+
+
+def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
+    env = dict(os.environ)
+    if name == "tokenmill":
+        return [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning"], env
+    if name == "llama.cpp":
+        from tokenmill.models.loader import default_model_path
+
+        return [str(args.llama_server), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
+                "-t", str(os.cpu_count()), "-tb", str(os.cpu_count()), "-np", "16", "-c", "8192", "--no-webui",
+                "--log-disable"], env
+    env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}")
+    return [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.hf_dir),
+            "--served-model-name", "default", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--max-model-len", "2048"], env
+
+
+def served_model(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+# ---- workloads --------------------------------------------------------------------------------
+def salted(prompts: list[list[int]], salt: int) -> list[list[int]]:
+    """Another first token per phase: no phase hits another's prefix cache."""
+    return [[salt] + p[1:] for p in prompts]
+
+
+def phase(port: int, model: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    requests = [BenchRequest(p, output_len) for p in prompts]
+    records, elapsed = asyncio.run(run_load(f"http://127.0.0.1:{port}/v1", model, requests, float("inf"),
+                                            concurrency, None, seed=0, extra_body={"cache_prompt": False}))
+    report = summarize(records, elapsed, None, None, None)
+    if report["failed"]:
+        raise SystemExit(f"{report['failed']} requests failed, first: {report['errors'][0]}")
+    decode = [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in records if r.output_tokens > 1]
+    return {**report, "decode_tps_median": statistics.median(decode)}
+
+
+def run_engine(name: str, args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> dict:
+    port = args.port
+    command, env = server_command(name, args, port)
+    launched = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sampler = PeakRss(process.pid)
+    sampler.start()
+    try:
+        wait_ready(port, process)
+        ready_s = time.perf_counter() - launched
+        model = served_model(port)
+        phase(port, model, prompts["warmup"], 8, 4)
+        w1 = [phase(port, model, [p], args.output_len, 1) for p in prompts["w1"]]
+        w2 = phase(port, model, prompts["w2"], args.output_len, len(prompts["w2"]))
+        w3 = phase(port, model, prompts["w3"], args.output_len, args.concurrency)
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        sampler.done.set()
+    return {
+        "engine": name, "ready_s": ready_s, "peak_rss_mb": sampler.peak,
+        "w1_ttft_ms": statistics.median(r["ttft_ms"]["median"] for r in w1),
+        "w1_decode_tps": statistics.median(r["decode_tps_median"] for r in w1),
+        "w2_total_tps": w2["total_token_throughput"], "w2_output_tps": w2["output_throughput"],
+        "w3_ttft_p99_ms": w3["ttft_ms"]["p99"], "w3_itl_median_ms": w3["itl_ms"]["median"],
+    }
+
+
+def roofline(result: dict) -> dict:
+    """tokenmill's W1 bytes per second (the weights read per decoded token x tok/s) and W2 FLOP/s
+    (2 per weight per token, attention left out), against this machine's measured peaks."""
+    import numpy as np
+
+    from tokenmill.hardware import cached_cpu_peaks, measure_cpu_peaks
+    from tokenmill.models.gguf_loader import GGUFFile
+    from tokenmill.models.loader import default_model_path
+
+    gguf = GGUFFile(default_model_path())
+    config = gguf.model_config()
+    tensor_bytes = sum(t.data.nbytes for t in gguf.contents.tensors)  # a tied embedding is read whole, as the head
+    params = sum(int(np.prod(t.shape)) for t in gguf.contents.tensors)
+    lookup_only = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    peaks = cached_cpu_peaks() or measure_cpu_peaks()
+    bytes_per_s = tensor_bytes * result["w1_decode_tps"]
+    flops = 2 * (params - lookup_only) * result["w2_total_tps"]
+    out = {"w1_weight_bytes_per_token_mb": tensor_bytes / 1e6, "w1_achieved_gbs": bytes_per_s / 1e9,
+           "w2_achieved_tflops": flops / 1e12}
+    if peaks is not None:
+        out.update(bandwidth_gbs=peaks.bandwidth_gbs, bf16_tflops=peaks.bf16_tflops,
+                   w1_fraction_of_bandwidth=bytes_per_s / 1e9 / peaks.bandwidth_gbs,
+                   w2_fraction_of_matmul_peak=flops / 1e12 / peaks.bf16_tflops)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", type=Path, default=Path(os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER)))
+    parser.add_argument("--vllm-python", type=Path, default=None, help="python of a venv with vllm-cpu installed")
+    parser.add_argument("--hf-dir", type=Path, default=None, help="an HF bf16 copy of the default model, for vLLM")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tokenmill", "llama.cpp", "vllm"])
+    parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, a smoke run")
+    args = parser.parse_args()
+
+    from tokenmill.models.loader import default_model_path, load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    num = 16 if args.quick else 64
+    if args.quick:
+        args.output_len = 32
+    long_prompts = build_prompts(tokenizer, num + 3, 256)
+    prompts = {"warmup": salted(long_prompts[:4], 11), "w1": [p[:128] for p in salted(long_prompts[-3:], 12)],
+               "w2": salted(long_prompts[:num], 13), "w3": salted(long_prompts[:num], 14)}
+    engines = ["tokenmill"]
+    if args.llama_server.is_file():
+        engines.append("llama.cpp")
+    else:
+        print(f"llama.cpp: no {args.llama_server} (../shared/peers/build_llamacpp.sh builds it)", file=sys.stderr)
+    if args.vllm_python is not None and args.hf_dir is not None:
+        engines.append("vllm")
+    results = [run_engine(name, args, prompts) for name in engines if name not in args.skip]
+
+    columns = [("ready_s", "ready s", ".1f"), ("peak_rss_mb", "RSS MB", ".0f"), ("w1_ttft_ms", "W1 TTFT ms", ".0f"),
+               ("w1_decode_tps", "W1 tok/s", ".1f"), ("w2_total_tps", "W2 total", ".0f"),
+               ("w2_output_tps", "W2 out", ".0f"), ("w3_ttft_p99_ms", "W3 TTFT p99", ".0f"),
+               ("w3_itl_median_ms", "W3 ITL ms", ".1f")]
+    print(f"\n{'engine':<11}" + "".join(f"{title:>13}" for _, title, _ in columns))
+    for r in results:
+        print(f"{r['engine']:<11}" + "".join(f"{r[key]:>13{fmt}}" for key, _, fmt in columns))
+    ours = next((r for r in results if r["engine"] == "tokenmill"), None)
+    ratios = {}
+    if ours is not None:
+        for peer in (r for r in results if r is not ours):
+            for key, _, _ in columns:
+                ratios[f"{key}_tokenmill_over_{peer['engine']}"] = ours[key] / peer[key] if peer[key] else None
+        line = roofline(ours)
+        print(f"\ntokenmill W1: {line['w1_weight_bytes_per_token_mb']:.0f} MB of weights per token, "
+              f"{line['w1_achieved_gbs']:.1f} GB/s" + (f" of {line['bandwidth_gbs']:.1f} measured" if "bandwidth_gbs" in line
+                                                      else "")
+              + f"; W2: {line['w2_achieved_tflops']:.3f} TFLOP/s"
+              + (f" of {line['bf16_tflops']:.2f} bf16 peak" if "bf16_tflops" in line else ""))
+        ratios["tokenmill_roofline"] = line
+    print(json.dumps({"benchmark": "peers", "results": results, "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
