@@ -287,3 +287,16 @@ def test_quantizing_with_tensor_parallelism_is_refused(tiny_llama_dir):
     with pytest.raises(ModelLoadError, match="tensor parallelism"):
         load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), shard=Communicator(0, 2),
                    quantization="int8")
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_which_layers_round_their_activations(tiny_llama_dir, quantization):
+    """8-bit activations for int4 weights (and a GGUF's), never for q/k/v; none for int8 (the quality choice)."""
+    from tokenmill.models.loader import load_model
+
+    loaded = load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), with_tokenizer=False,
+                        quantization=quantization)
+    for layer in loaded.model.layers:
+        assert layer.self_attn.qkv_proj.int8_activations is False
+        for name in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            assert layer.get_submodule(name).int8_activations is (quantization == "int4")

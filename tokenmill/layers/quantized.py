@@ -167,10 +167,11 @@ def uses_kernel(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.shape[0] <= GEMV_MAX_ROWS and _kernel_available()
 
 
-def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] in x's dtype."""
+def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, int8_activations: bool = True) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x's dtype. int8_activations=False keeps a bf16/fp16 x exact
+    (float32) in the kernel too."""
     if uses_kernel(x):
-        if x.dtype != torch.float32 and _q8_kernel_available():
+        if int8_activations and x.dtype != torch.float32 and _q8_kernel_available():
             op = torch.ops.tokenmill.quant_gemv_q8.default
         else:
             op = torch.ops.tokenmill.quant_gemv.default
@@ -192,11 +193,12 @@ class QuantizedLinear(nn.Module):
         self.bias = bias
         self.out_features, self.in_features = qweight.shape
         self.batched: nn.Module | None = None  # the dense module for many rows, where one was made
+        self.int8_activations = True  # whether the kernel may round bf16/fp16 inputs to 8 bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batched is not None and not uses_kernel(x):
             return self.batched(x)
-        out = quantized_matmul(x, self.qweight)
+        out = quantized_matmul(x, self.qweight, self.int8_activations)
         return out if self.bias is None else out + self.bias
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +209,8 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         q = self.qweight
-        return f"in={self.in_features}, out={self.out_features}, bits={q.bits}, group={q.group_size}"
+        return (f"in={self.in_features}, out={self.out_features}, bits={q.bits}, group={q.group_size}, "
+                f"int8_activations={self.int8_activations}")
 
 
 def quantize_linear_layers(module: nn.Module, bits: int, group_size: int = 32) -> None:
