@@ -114,7 +114,7 @@ def salted(prompts: list[list[int]], salt: int) -> list[list[int]]:
 
 def phase(port: int, model: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
     requests = [BenchRequest(p, output_len) for p in prompts]
-    records, elapsed = asyncio.run(run_load(f"http://127.0.0.1:{port}/v1", model, requests, float("inf"),
+    records, elapsed = asyncio.run(run_load(f"http://127.0.0.1:{port}", model, requests, float("inf"),
                                             concurrency, None, seed=0, extra_body={"cache_prompt": False}))
     report = summarize(records, elapsed, None, None, None)
     if report["failed"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.layers.quantized import QuantizedLinear
 
 SHARED = "Once upon a time, in a kingdom by the sea, there lived a king who loved numbers more than gold. "
 PROMPTS = [
@@ -21,25 +22,36 @@ def _tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.fixture(scope="module", params=[None, "int4"], ids=["float", "int4"])
+def quantization(request):
+    """Every invariance holds for a model whose linears are quantized too."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
+def reference(tiny_llama_dir, quantization):
     """Each prompt run alone, without prefix caching."""
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False,
+              quantization=quantization)
+    layers = list(llm.engine.executor.loaded.model.modules())
+    assert any(isinstance(m, QuantizedLinear) for m in layers) == (quantization is not None)
     return [_tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS]
 
 
-def test_all_together(tiny_llama_dir, reference):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False)
+def test_all_together(tiny_llama_dir, reference, quantization):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False,
+              quantization=quantization)
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
 
 
-def test_chunked_prefill(tiny_llama_dir, reference):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=7)
+def test_chunked_prefill(tiny_llama_dir, reference, quantization):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=7,
+              quantization=quantization)
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
 
 
-def test_prefix_cache_hits(tiny_llama_dir, reference):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128)
+def test_prefix_cache_hits(tiny_llama_dir, reference, quantization):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, quantization=quantization)
     first = _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
     hits_before = llm.stats().kv_cache.prefix_cache_hits
     rest = _tokens(llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False))
@@ -51,9 +63,10 @@ def test_prefix_cache_hits(tiny_llama_dir, reference):
     assert stats.num_used_blocks == 0
 
 
-def test_preemption(tiny_llama_dir, reference):
+def test_preemption(tiny_llama_dir, reference, quantization):
     # Each prompt needs up to 10 blocks to finish; 14 blocks cannot hold them all at once.
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, enable_prefix_caching=False)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, enable_prefix_caching=False,
+              quantization=quantization)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     assert any(o.metrics.num_preemptions > 0 for o in outputs)
@@ -61,8 +74,9 @@ def test_preemption(tiny_llama_dir, reference):
     assert llm.stats().kv_cache.num_used_blocks == 0
 
 
-def test_preemption_with_prefix_cache_and_chunking(tiny_llama_dir, reference):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=9)
+def test_preemption_with_prefix_cache_and_chunking(tiny_llama_dir, reference, quantization):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=9,
+              quantization=quantization)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     assert _tokens(outputs) == reference

@@ -279,16 +279,6 @@ def test_unknown_quantization_is_a_load_error(tiny_llama_dir):
         load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int3")
 
 
-def test_quantizing_with_tensor_parallelism_is_refused(tiny_llama_dir):
-    from tokenmill.errors import ModelLoadError
-    from tokenmill.layers.parallel import Communicator
-    from tokenmill.models.loader import load_model
-
-    with pytest.raises(ModelLoadError, match="tensor parallelism"):
-        load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), shard=Communicator(0, 2),
-                   quantization="int8")
-
-
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_which_layers_round_their_activations(tiny_llama_dir, quantization):
     """8-bit activations for int4 weights (and a GGUF's), never for q/k/v; none for int8 (the quality choice)."""

@@ -146,3 +146,36 @@ def test_torchrun_launch_is_the_same_code_path(tiny_llama_dir, tmp_path):
                                "-m", "tokenmill.cli", *args], capture_output=True, text=True, timeout=300)
     assert single.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
     assert launched.stdout.strip() == single.stdout.strip() != ""
+
+
+def test_tp2_with_weights_quantized_at_load(tiny_llama_dir):
+    path = str(tiny_llama_dir)
+    reference = LLM(model=path, dtype="float32", num_kv_blocks=64, quantization="int4").generate(
+        PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(model=path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, quantization="int4") as tp:
+        layers = tp.engine.executor.runner.model.layers
+        assert type(layers[0].mlp.down_proj.linear).__name__ == "QuantizedLinear"  # inside the row-parallel wrapper
+        _assert_same(reference, tp.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_quantized_shards_are_cut_on_group_boundaries():
+    import torch
+
+    from tokenmill.config import ModelConfig
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.layers.parallel import Communicator
+    from tokenmill.layers.quantized import quantize_rtn
+    from tokenmill.models.sharding import shard_weights
+
+    config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=128, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256)
+    weight = torch.randn(128, 128)
+    q = quantize_rtn(weight, 4)
+    (_, rows), = shard_weights([("model.layers.0.mlp.gate_proj.weight", q)], config, Communicator(1, 2))
+    torch.testing.assert_close(rows.dequantize(), q.dequantize()[64:])
+    (_, cols), = shard_weights([("model.layers.0.self_attn.o_proj.weight", q)], config, Communicator(1, 2))
+    torch.testing.assert_close(cols.dequantize(), q.dequantize()[:, 64:])
+    narrow = quantize_rtn(torch.randn(128, 96), 4)  # 48 columns a rank: not whole 32-column groups
+    with pytest.raises(ModelLoadError, match="cannot split model.layers.0.mlp.down_proj.weight over 2 ranks"):
+        list(shard_weights([("model.layers.0.mlp.down_proj.weight", narrow)], config, Communicator(0, 2)))

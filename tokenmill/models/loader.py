@@ -142,17 +142,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     if quantization not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"quantization must be one of {', '.join(map(str, QUANTIZATION_CHOICES))}, "
                              f"not {quantization!r}")
-    if shard is not None and quantization in ("int8", "int4"):
-        raise ModelLoadError("quantized weights with tensor parallelism are not supported yet: use "
-                             "--quantization none (or auto) with --tensor-parallel-size")
     path = resolve_model_path(model)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path.name}: a model is an HF directory or a .gguf file")
         gguf_file = GGUFFile(path)
         config = gguf_file.model_config()
-        # tensor-parallel shards are cut from dequantized tensors (quantized shards: not yet)
-        weights = gguf_file.iter_tensors(config, keep_quantized=quantization is None and shard is None)
+        weights = gguf_file.iter_tensors(config, keep_quantized=quantization is None)
     else:
         config = load_hf_config(path)
         weights = iter_safetensors(path)
@@ -166,7 +162,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
             raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's context length {context}")
         context = max_model_len
 
-    quantized_bytes = quantization in ("int8", "int4") or (quantization is None and path.is_file() and shard is None)
+    quantized_bytes = quantization in ("int8", "int4") or (quantization is None and path.is_file())
     check_fits_in_memory(config, context, dtype, device, 1 if shard is None else shard.world_size,
                          "int4" if quantized_bytes else None)
     if shard is None:

@@ -9,6 +9,10 @@ modules whose outputs must be combined across ranks (layers/parallel.py):
   o_proj, down_proj        row-parallel: partial sums, all-reduced (bias added on rank 0 only)
   embed_tokens             vocab-parallel: this rank's rows, zeros elsewhere, all-reduced
   lm_head                  vocab-parallel: this rank's logits, all-gathered
+
+Quantized weights (a GGUF's) are cut the same way: output rows anywhere, input columns only on
+the weight's group boundaries (else a ModelLoadError says which tensor); a quantized embedding is
+dequantized first (the vocab-parallel wrappers hold a plain table).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.errors import InvalidParameterError
+from tokenmill.errors import InvalidParameterError, ModelLoadError
 from tokenmill.layers.parallel import Communicator, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
+from tokenmill.layers.quantized import QuantizedWeight
 
 
 def check_divisible(config: ModelConfig, world_size: int) -> None:
@@ -47,23 +52,32 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
     )
 
 
-def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
-                  comm: Communicator) -> Iterator[tuple[str, torch.Tensor]]:
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], config: ModelConfig,
+                  comm: Communicator) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """This rank's slice of each checkpoint tensor (HF names), as it streams past."""
     rank, world = comm.rank, comm.world_size
     vocab_rows = -(-config.vocab_size // world)
     for name, tensor in weights:
         kind = name.split(".")[-2] if name.count(".") >= 1 else name
+        quantized = isinstance(tensor, QuantizedWeight)
         if kind in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # column-parallel: output rows
             rows = tensor.shape[0] // world
-            yield name, tensor[rank * rows:(rank + 1) * rows]
+            part = slice(rank * rows, (rank + 1) * rows)
+            yield name, tensor.rows(part) if quantized else tensor[part]
         elif kind in ("o_proj", "down_proj"):  # row-parallel: input columns; the bias is added once
             if name.endswith("bias"):
                 yield name, tensor if rank == 0 else torch.zeros_like(tensor)
+            elif quantized:
+                columns = tensor.shape[1] // world
+                try:
+                    yield name, tensor.columns(rank * columns, (rank + 1) * columns)
+                except ValueError as exc:
+                    raise ModelLoadError(f"cannot split {name} over {world} ranks: {exc}") from None
             else:
                 columns = tensor.shape[1] // world
                 yield name, tensor[:, rank * columns:(rank + 1) * columns]
         elif kind in ("embed_tokens", "lm_head"):  # vocab-parallel rows, zero-padded on the last rank
+            tensor = tensor.dequantize() if quantized else tensor
             rows = tensor[rank * vocab_rows:(rank + 1) * vocab_rows]
             if rows.shape[0] < vocab_rows:
                 rows = torch.cat([rows, rows.new_zeros(vocab_rows - rows.shape[0], rows.shape[1])])
