@@ -87,12 +87,9 @@ class CpuPagedAttention(TorchPagedAttention):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: KernelDecodeBucket,
                 scale: float) -> torch.Tensor:
         """q: [B, num_heads, head_dim] -> [B, num_heads * head_dim]."""
-        scores = torch.ops.tokenmill.paged_decode_qk(
-            q.contiguous(), k_cache, bucket.block_table, bucket.seq_lens, scale, bucket.context_len
-        )  # float32 [B, num_heads, context], -inf past each sequence
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.ops.tokenmill.paged_decode_pv(probs, v_cache, bucket.block_table, bucket.seq_lens)
-        return out.view(q.shape[0], -1)
+        out = torch.ops.tokenmill.paged_decode.default(q.contiguous(), k_cache, v_cache, bucket.block_table,
+                                                       bucket.seq_lens, scale, bucket.context_len)
+        return out.view(q.shape[0], -1)  # [B, num_heads, head_dim] -> [B, num_heads * head_dim]
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,

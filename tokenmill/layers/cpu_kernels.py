@@ -24,7 +24,9 @@ from tokenmill.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "fused_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "fused_ops.cpp")]
+HEADERS = [CSRC / "vec_math.h"]  # in the build fingerprint too
 
 
 def kernels_enabled() -> bool:
@@ -73,6 +75,6 @@ def _build_fingerprint() -> str:
     home) must not hand one CPU's build to another."""
     flags = " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
     digest = hashlib.sha1(flags.encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:10]

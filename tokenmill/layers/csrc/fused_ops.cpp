@@ -20,6 +20,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -137,11 +140,14 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const S* in = x.data_ptr<S>();
     S* o = out.data_ptr<S>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      const __m512 one = _mm512_set1_ps(1.0f);
       for (int64_t t = begin; t < end; ++t) {
         const S* gate = in + t * x.stride(0);
-        for (int64_t i = 0; i < I; ++i) {
-          const float g = static_cast<float>(gate[i]);
-          o[t * I + i] = static_cast<S>(g / (1.0f + std::exp(-g)) * static_cast<float>(gate[I + i]));
+        for (int64_t i = 0; i < I; i += 16) {
+          const int64_t n = std::min<int64_t>(16, I - i);
+          const __m512 g = tokenmill_vec::load(gate + i, n);
+          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, tokenmill_vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          tokenmill_vec::store(o + t * I + i, _mm512_mul_ps(silu, tokenmill_vec::load(gate + I + i, n)), n);
         }
       }
     });

@@ -3,8 +3,8 @@
 //
 //   paged_decode_qk: scores[b, head, t] = scale * q[b, head] . K[b, t]   (-inf past the sequence)
 //   paged_decode_pv: out[b, head] = sum_t probs[b, head, t] * V[b, t]
-//
-// The softmax between the two stays in PyTorch. Work is split over (sequence, kv head): each
+//   paged_decode:    the two with the softmax between them, one op (what a decode step calls)
+// Work is split over (sequence, kv head): each
 // cache block is read once for all query heads of its group (GQA). With AVX512-BF16, bf16 caches
 // use the bf16 pair dot-product instruction (fp32 accumulation); other dtypes convert to fp32.
 //
@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -328,14 +330,55 @@ at::Tensor paged_decode_pv(const at::Tensor& probs, const at::Tensor& v_cache, c
   return out;
 }
 
+// Softmax in place over each row's first len = min(seq_lens[b], context) scores (the rest, -inf,
+// become 0). scores: [batch, heads, context].
+void softmax_rows(at::Tensor& scores, const at::Tensor& seq_lens) {
+  const int64_t heads = scores.size(1), context = scores.size(2);
+  float* base = scores.data_ptr<float>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  at::parallel_for(0, scores.size(0) * heads, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* s = base + row * context;
+      const int64_t len = std::min(lens[row / heads], context);
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t t = 0; t < len; t += 16)
+        top = _mm512_mask_max_ps(top, tokenmill_vec::first(len - t), top, _mm512_loadu_ps(s + t));
+      const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; t += 16) {
+        const int64_t n = std::min<int64_t>(16, len - t);
+        const __m512 e = tokenmill_vec::exp(_mm512_sub_ps(tokenmill_vec::load(s + t, n), max));
+        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tokenmill_vec::first(n), e));
+        tokenmill_vec::store(s + t, e, n);
+      }
+      const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+      for (int64_t t = 0; t < len; t += 16) {
+        const int64_t n = std::min<int64_t>(16, len - t);
+        tokenmill_vec::store(s + t, _mm512_mul_ps(tokenmill_vec::load(s + t, n), inverse), n);
+      }
+      std::fill(s + len, s + context, 0.0f);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t context) {
+  at::Tensor scores = paged_decode_qk(q, k_cache, block_tables, seq_lens, scale, context);
+  softmax_rows(scores, seq_lens);
+  return paged_decode_pv(scores, v_cache, block_tables, seq_lens);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("paged_decode_qk(Tensor q, Tensor k_cache, Tensor block_tables, Tensor seq_lens, float scale, int context) -> Tensor");
   m.def("paged_decode_pv(Tensor probs, Tensor v_cache, Tensor block_tables, Tensor seq_lens) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int context) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_decode_qk", paged_decode_qk);
   m.impl("paged_decode_pv", paged_decode_pv);
+  m.impl("paged_decode", paged_decode);
 }
