@@ -94,13 +94,15 @@ def activation_rounding_bound(x: torch.Tensor, q: QuantizedWeight) -> torch.Tens
 @pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 16), (4, 16), (8, 64), (4, 128)]))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype):
+@pytest.mark.parametrize("two_parts", [False, True], ids=["8-bit", "two 8-bit parts"])
+def test_q8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype, two_parts):
     q = random_weight(45, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
     want = x.double() @ reference_weight(q).T
-    got = torch.ops.tokenmill.quant_gemv_q8(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
+    got = torch.ops.tokenmill.quant_gemv_q8(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, two_parts)
     assert got.dtype == dtype
-    bound = activation_rounding_bound(x, q) + 1e-5 * (x.double().abs() @ reference_weight(q).abs().T)
+    rounding = activation_rounding_bound(x, q) / (254 if two_parts else 1)  # the second part: in 254ths of a step
+    bound = rounding + 1e-5 * (x.double().abs() @ reference_weight(q).abs().T)
     if dtype == torch.bfloat16:
         bound += want.abs() * 2**-8  # the result's own rounding
     error = (got.double() - want).abs()
@@ -109,16 +111,23 @@ def test_q8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype
 
 
 @needs_q8_kernel
-def test_half_precision_activations_take_the_8_bit_kernel_and_float32_ones_do_not(monkeypatch):
+def test_which_kernel_a_layer_takes(monkeypatch):
+    """float32 activations: the float kernel; bf16: the VNNI kernel with two 8-bit parts by default,
+    one where a layer asks for 8 bits, the float kernel for None or on a CPU without VNNI."""
     q = random_weight(64, 576, 4, 32)
     x = torch.randn(2, 576)
     exact = torch.ops.tokenmill.quant_gemv(x, q.codes, q.scales, q.offsets, 4, 32)
     assert torch.equal(quantized_matmul(x, q), exact)
     x16 = x.bfloat16()
-    q8 = torch.ops.tokenmill.quant_gemv_q8(x16, q.codes, q.scales, q.offsets, 4, 32)
-    assert torch.equal(quantized_matmul(x16, q), q8)
+    for bits, two_parts in ((16, True), (8, False)):
+        want = torch.ops.tokenmill.quant_gemv_q8(x16, q.codes, q.scales, q.offsets, 4, 32, two_parts)
+        assert torch.equal(quantized_matmul(x16, q, bits), want)
+    layer = QuantizedLinear(q)
+    assert torch.equal(layer(x16), quantized_matmul(x16, q, 16))
+    float_kernel = torch.ops.tokenmill.quant_gemv(x16, q.codes, q.scales, q.offsets, 4, 32)
+    assert torch.equal(quantized_matmul(x16, q, None), float_kernel)
     monkeypatch.setattr(quantized, "_q8_kernel_available", lambda: False)  # a CPU without VNNI
-    assert torch.equal(quantized_matmul(x16, q), torch.ops.tokenmill.quant_gemv(x16, q.codes, q.scales, q.offsets, 4, 32))
+    assert torch.equal(quantized_matmul(x16, q), float_kernel)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 17, 64])
@@ -277,16 +286,3 @@ def test_unknown_quantization_is_a_load_error(tiny_llama_dir):
 
     with pytest.raises(ModelLoadError, match="quantization must be one of"):
         load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int3")
-
-
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_which_layers_round_their_activations(tiny_llama_dir, quantization):
-    """8-bit activations for int4 weights (and a GGUF's), never for q/k/v; none for int8 (the quality choice)."""
-    from tokenmill.models.loader import load_model
-
-    loaded = load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), with_tokenizer=False,
-                        quantization=quantization)
-    for layer in loaded.model.layers:
-        assert layer.self_attn.qkv_proj.int8_activations is False
-        for name in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-            assert layer.get_submodule(name).int8_activations is (quantization == "int4")

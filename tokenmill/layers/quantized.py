@@ -10,9 +10,11 @@ and o = -128 s, Q5_K 8-bit, Q6_K 8-bit with G = 16 (see models/gguf_quants.py).
 
 A few rows (decode) go through our AVX-512 kernels, which read the codes from memory as they are.
 float32 activations stay float32 (csrc/quant_gemv.cpp: the dequantized weight's product up to
-float32 rounding). bfloat16/float16 ones, on CPUs with AVX-512 VNNI, are rounded to 8 bits per
-group of the weight's (csrc/quant_gemv_q8.cpp, as llama.cpp does): twice the speed, an error of at
-most half an activation step per group (benchmarks/perplexity.py measures what that costs). More rows (prefill, large decode
+float32 rounding). bfloat16/float16 ones, on CPUs with AVX-512 VNNI, are rounded per group of the
+weight's (csrc/quant_gemv_q8.cpp) to a layer's `activation_bits`: 16 by default (two 8-bit parts,
+~exact: the default model's perplexity on the decode path is bf16's to 0.01%) or 8 (as llama.cpp
+does: +1.3% perplexity, +1.2% of it from the q/k/v projection, and no faster here, where the
+weights' bytes set the pace; benchmarks/perplexity.py). Either is ~2x the float32 kernel's speed. More rows (prefill, large decode
 batches) use `batched`, a dense module over the dequantized weight that layers/linear.py packs
 for oneDNN once at load on bf16 CPUs, so the matrix units run them; where there is none, a call
 dequantizes the weight for itself. Without the kernel (no AVX-512, CUDA) few rows go the same
@@ -167,16 +169,16 @@ def uses_kernel(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.shape[0] <= GEMV_MAX_ROWS and _kernel_available()
 
 
-def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, int8_activations: bool = True) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] in x's dtype. int8_activations=False keeps a bf16/fp16 x exact
-    (float32) in the kernel too."""
+def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, activation_bits: int | None = 16) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x's dtype. activation_bits: what the kernel may round a bf16/fp16
+    x to (8 or 16), None to keep it float32."""
+    q = qweight
     if uses_kernel(x):
-        if int8_activations and x.dtype != torch.float32 and _q8_kernel_available():
-            op = torch.ops.tokenmill.quant_gemv_q8.default
-        else:
-            op = torch.ops.tokenmill.quant_gemv.default
-        return op(x, qweight.codes, qweight.scales, qweight.offsets, qweight.bits, qweight.group_size)
-    return F.linear(x, qweight.dequantize(x.dtype))
+        if activation_bits is not None and x.dtype != torch.float32 and _q8_kernel_available():
+            return torch.ops.tokenmill.quant_gemv_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
+                                                             activation_bits == 16)
+        return torch.ops.tokenmill.quant_gemv.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
+    return F.linear(x, q.dequantize(x.dtype))
 
 
 # names of this module's own, for tests to switch the kernels off
@@ -193,12 +195,12 @@ class QuantizedLinear(nn.Module):
         self.bias = bias
         self.out_features, self.in_features = qweight.shape
         self.batched: nn.Module | None = None  # the dense module for many rows, where one was made
-        self.int8_activations = True  # whether the kernel may round bf16/fp16 inputs to 8 bits
+        self.activation_bits: int | None = 16  # what the kernel may round bf16/fp16 inputs to (None: float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batched is not None and not uses_kernel(x):
             return self.batched(x)
-        out = quantized_matmul(x, self.qweight, self.int8_activations)
+        out = quantized_matmul(x, self.qweight, self.activation_bits)
         return out if self.bias is None else out + self.bias
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +212,7 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         q = self.qweight
         return (f"in={self.in_features}, out={self.out_features}, bits={q.bits}, group={q.group_size}, "
-                f"int8_activations={self.int8_activations}")
+                f"activation_bits={self.activation_bits}")
 
 
 def quantize_linear_layers(module: nn.Module, bits: int, group_size: int = 32) -> None:

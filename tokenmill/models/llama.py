@@ -116,18 +116,6 @@ class DecoderForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def choose_activation_rounding(self, int8_allowed: bool) -> None:
-        """Which quantized layers may round their bf16/fp16 input to 8 bits in the kernel (twice as
-        fast; see layers/quantized.py). Never the q/k/v projection: rounding the attention's input
-        costs most of what 8-bit activations cost in quality (on the default model +1.2% of the
-        decoder layers' +1.3% perplexity, for a sixth of their weights; benchmarks/perplexity.py)."""
-        for module in self.modules():
-            if isinstance(module, QuantizedLinear):
-                module.int8_activations = int8_allowed
-        for layer in self.layers:
-            if isinstance(layer.self_attn.qkv_proj, QuantizedLinear):
-                layer.self_attn.qkv_proj.int8_activations = False
-
     def untie_lm_head(self) -> None:
         """Give a tied model an lm_head module that shares the embedding tensor (so it can be swapped)."""
         if self.lm_head is None:

@@ -175,7 +175,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     net.eval()
     if quantization in ("int8", "int4"):  # the decoder layers' linears; embedding and head keep their dtype
         quantize_linear_layers(net.layers, 8 if quantization == "int8" else 4)
-    net.choose_activation_rounding(int8_allowed=quantization != "int8")  # int8: the quality choice, unrounded
     maybe_pack_weights(net, dtype, device)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     eos = tokenizer.eos_token_id if tokenizer is not None else None

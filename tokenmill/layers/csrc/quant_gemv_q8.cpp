@@ -2,7 +2,7 @@
 // AVX-512 VNNI: the same weight layout as quant_gemv.cpp, four times the multiply-adds per
 // instruction. This is how llama.cpp runs its quantized types on these CPUs.
 //
-//   quant_gemv_q8(x [M, K], codes, scales [N, K/G], offsets [N, K/G], bits, G) -> [M, N] in x's dtype
+//   quant_gemv_q8(x [M, K], codes, scales [N, K/G], offsets [N, K/G], bits, G, two_parts) -> [M, N] in x's dtype
 //
 // Each activation row is quantized per group of G columns, the same groups as the weight's:
 //   x[k] ~ d[g] * q[k],  d[g] = max |x| over the group / 127,  q int8
@@ -12,6 +12,10 @@
 // columns 4l..4l+3 of a 64-column chunk); each lane is scaled by its group's s * d, picked out
 // of a vector of 16 groups' s * d by one permute. The only error is rounding the activations to
 // 8 bits: |error| <= sum_g |s[g]| d[g] / 2 * sum_{k in g} u[k] (see tests/test_quantized.py).
+//
+// two_parts (what layers use by default): the rounding error is itself rounded to 8 bits,
+// x ~ d q + (d / 254) q2, and both parts go through vpdpbusd: 254 times less error (~16-bit
+// activations) for ~1.5x the arithmetic, which the weights' memory traffic hides at one row.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -55,6 +59,7 @@ inline __m512 load_groups(const c10::Half* p, int64_t count) {
 // group scales d and the groups' float sums X (groups rounded up to 16, zero past the end).
 struct QuantizedRow {
   int8_t* q;
+  int8_t* q2;  // two_parts: the rounding error of q, in steps of d / 254 (else nullptr)
   float* d;
   float* sums;
 };
@@ -73,8 +78,13 @@ void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
     row.sums[g] = _mm512_reduce_add_ps(sum);
     const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
     for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + k), inverse));
+      const __m512 steps = _mm512_mul_ps(load16(x + k), inverse);  // x / d
+      const __m512i rounded = _mm512_cvtps_epi32(steps);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + k), _mm512_cvtsepi32_epi8(rounded));
+      if (row.q2 != nullptr) {  // (x / d - q) in [-1/2, 1/2], in 254ths
+        const __m512 error = _mm512_mul_ps(_mm512_sub_ps(steps, _mm512_cvtepi32_ps(rounded)), _mm512_set1_ps(254.0f));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q2 + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(error)));
+      }
     }
   }
 }
@@ -100,7 +110,7 @@ inline __m512i load_codes(const uint8_t* row, int64_t chunk_start, int64_t width
 // Output rows [n_begin, n_end) for ROWS activation rows, into out[r * out_stride + n - n_begin].
 // Columns go in blocks of 16 groups: per block, each activation row's 16 lane scales s * d are one multiply; per chunk, lane l of
 // the int32 sums takes the scale of group (64 c + 4 l) / G, picked by lane_index[c].
-template <int ROWS, typename S>
+template <int ROWS, bool TWO_PARTS, typename S>
 void gemv_rows(const QuantizedRow* x, const uint8_t* codes, const S* scales, const S* offsets, int64_t n_begin,
                int64_t n_end, int64_t K, int64_t G, int bits, const __m512i* lane_index, float* out, int64_t out_stride) {
   // Chunks go in pairs into two accumulators per row (a chain of multiply-adds waits on itself);
@@ -138,8 +148,14 @@ void gemv_rows(const QuantizedRow* x, const uint8_t* codes, const S* scales, con
         for (int r = 0; r < ROWS; ++r) {
           const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights,
                                                    _mm512_loadu_si512(x[r].q + c));
+          __m512 sum = _mm512_cvtepi32_ps(dots);
+          if constexpr (TWO_PARTS) {
+            const __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights,
+                                                    _mm512_loadu_si512(x[r].q2 + c));
+            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(1.0f / 254.0f), sum);
+          }
           const __m512 scale = _mm512_permutexvar_ps(index, lane_scales[r]);
-          *row_acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), scale, *row_acc[r]);
+          *row_acc[r] = _mm512_fmadd_ps(sum, scale, *row_acc[r]);
         }
       };
       __m512* first[ROWS];
@@ -166,9 +182,10 @@ void gemv_rows(const QuantizedRow* x, const uint8_t* codes, const S* scales, con
 template <typename S>
 using GemvFn = void (*)(const QuantizedRow*, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t,
                         int64_t, int, const __m512i*, float*, int64_t);
-template <typename S>
-constexpr GemvFn<S> kGemv[kMaxRows] = {gemv_rows<1, S>, gemv_rows<2, S>, gemv_rows<3, S>, gemv_rows<4, S>,
-                                       gemv_rows<5, S>, gemv_rows<6, S>, gemv_rows<7, S>, gemv_rows<8, S>};
+template <bool TWO, typename S>
+constexpr GemvFn<S> kGemvFor[kMaxRows] = {gemv_rows<1, TWO, S>, gemv_rows<2, TWO, S>, gemv_rows<3, TWO, S>,
+                                          gemv_rows<4, TWO, S>, gemv_rows<5, TWO, S>, gemv_rows<6, TWO, S>,
+                                          gemv_rows<7, TWO, S>, gemv_rows<8, TWO, S>};
 
 template <typename T>
 void store_rows(const float* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t rows, int64_t begin,
@@ -179,17 +196,19 @@ void store_rows(const float* src, int64_t src_stride, T* dst, int64_t dst_stride
 
 template <typename X, typename S>
 void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
-         int64_t bits, int64_t G, at::Tensor& out) {
+         int64_t bits, int64_t G, bool two_parts, at::Tensor& out) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   const int64_t k_padded = (K + kChunk - 1) / kChunk * kChunk;
   const int64_t groups_padded = (K / G + 15) / 16 * 16;
-  std::vector<int8_t> q(M * k_padded, 0);
+  std::vector<int8_t> q(M * k_padded, 0), q2(two_parts ? M * k_padded : 0, 0);
   std::vector<float> d(M * groups_padded, 0.0f), sums(M * groups_padded, 0.0f);
   std::vector<QuantizedRow> rows(M);
   for (int64_t m = 0; m < M; ++m) {
-    rows[m] = {q.data() + m * k_padded, d.data() + m * groups_padded, sums.data() + m * groups_padded};
+    rows[m] = {q.data() + m * k_padded, two_parts ? q2.data() + m * k_padded : nullptr,
+               d.data() + m * groups_padded, sums.data() + m * groups_padded};
     quantize_row(x.data_ptr<X>() + m * K, K, G, rows[m]);
   }
+  const GemvFn<S>* gemv = two_parts ? kGemvFor<true, S> : kGemvFor<false, S>;
   // lane l of chunk i of a 16-group block takes group (64 i + 4 l) / G of the block
   const int64_t chunks_per_block = 16 * G / kChunk;
   std::vector<__m512i> lane_index(chunks_per_block);
@@ -207,11 +226,11 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
     for (int64_t m = 0; m < M; m += kMaxRows) {
       const int64_t count = std::min(kMaxRows, M - m);
       if (float_out) {
-        kGemv<S>[count - 1](rows.data() + m, code_ptr, scale_ptr, offset_ptr, begin, end, K, G,
+        gemv[count - 1](rows.data() + m, code_ptr, scale_ptr, offset_ptr, begin, end, K, G,
                             static_cast<int>(bits), lane_index.data(), out.data_ptr<float>() + m * N + begin, N);
         continue;
       }
-      kGemv<S>[count - 1](rows.data() + m, code_ptr, scale_ptr, offset_ptr, begin, end, K, G,
+      gemv[count - 1](rows.data() + m, code_ptr, scale_ptr, offset_ptr, begin, end, K, G,
                           static_cast<int>(bits), lane_index.data(), local.data(), end - begin);
       if (out.scalar_type() == at::kBFloat16) {
         store_rows(local.data(), end - begin, out.data_ptr<c10::BFloat16>() + m * N, N, count, begin, end);
@@ -224,18 +243,18 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
 
 template <typename X>
 void run_for_scales(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                    const at::Tensor& offsets, int64_t bits, int64_t G, at::Tensor& out) {
+                    const at::Tensor& offsets, int64_t bits, int64_t G, bool two_parts, at::Tensor& out) {
   if (scales.scalar_type() == at::kHalf) {
-    run<X, c10::Half>(x, codes, scales, offsets, bits, G, out);
+    run<X, c10::Half>(x, codes, scales, offsets, bits, G, two_parts, out);
   } else {
-    run<X, float>(x, codes, scales, offsets, bits, G, out);
+    run<X, float>(x, codes, scales, offsets, bits, G, two_parts, out);
   }
 }
 
 #endif  // __AVX512VNNI__
 
 at::Tensor quant_gemv_q8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& offsets, int64_t bits, int64_t group_size) {
+                         const at::Tensor& offsets, int64_t bits, int64_t group_size, bool two_parts) {
 #if defined(__AVX512VNNI__)
   TORCH_CHECK(x_in.dim() == 2, "x must be a [M, K] matrix");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
@@ -254,9 +273,11 @@ at::Tensor quant_gemv_q8(const at::Tensor& x_in, const at::Tensor& codes, const 
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   switch (x.scalar_type()) {
-    case at::kFloat: run_for_scales<float>(x, codes, scales, offsets, bits, group_size, out); break;
-    case at::kBFloat16: run_for_scales<c10::BFloat16>(x, codes, scales, offsets, bits, group_size, out); break;
-    case at::kHalf: run_for_scales<c10::Half>(x, codes, scales, offsets, bits, group_size, out); break;
+    case at::kFloat: run_for_scales<float>(x, codes, scales, offsets, bits, group_size, two_parts, out); break;
+    case at::kBFloat16:
+      run_for_scales<c10::BFloat16>(x, codes, scales, offsets, bits, group_size, two_parts, out);
+      break;
+    case at::kHalf: run_for_scales<c10::Half>(x, codes, scales, offsets, bits, group_size, two_parts, out); break;
     default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16");
   }
   return out;
@@ -268,7 +289,8 @@ at::Tensor quant_gemv_q8(const at::Tensor& x_in, const at::Tensor& codes, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("quant_gemv_q8(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size) -> Tensor");
+  m.def("quant_gemv_q8(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, "
+        "bool two_parts=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
