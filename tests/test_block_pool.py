@@ -137,14 +137,30 @@ def test_hashes_are_keyed_content_hashes():
 
 def test_lru_eviction_takes_least_recently_freed_first():
     kv = KVCacheManager(4, 2)
-    old, new = _computed(kv, _request("old", [1, 2, 3])), None
+    old = _computed(kv, _request("old", [1, 2, 3]))
+    new = _computed(kv, _request("new", [7, 8, 9]))  # the pool is full
     kv.free(old)
-    new = _computed(kv, _request("new", [7, 8, 9]))
     kv.free(new)
     filler = _request("filler", [5, 5, 5])
     kv.allocate_slots(filler, 3)  # takes 2 blocks: 'old' content goes first
     assert kv.get_computed_blocks(_request("x", [1, 2, 3]))[1] == 0
     assert kv.get_computed_blocks(_request("y", [7, 8, 9]))[1] == 2
+
+
+def test_freed_blocks_are_reused_before_fresh_ones():
+    """The pool's memory is resident only where written: a freed block (even a cached one) is
+    handed out again before a never-used block is touched."""
+    kv = KVCacheManager(8, 2)
+    first = _computed(kv, _request("first", [1, 2, 3, 4, 5]))
+    used = {b.block_id for b in kv.req_blocks["first"]}
+    kv.free(first)
+    assert kv.get_computed_blocks(_request("again", [1, 2, 3, 4, 5]))[1] == 4  # cached while nothing needs them
+    other = _request("other", [9, 9, 9, 9, 9])
+    kv.allocate_slots(other, 5)
+    assert {b.block_id for b in kv.req_blocks["other"]} == used  # the freed blocks, not fresh ones
+    assert kv.pool.next_fresh == len(used) == 3
+    assert kv.get_computed_blocks(_request("late", [1, 2, 3, 4, 5]))[1] == 0  # evicted instead
+    kv.check_integrity()
 
 
 def test_disabled_prefix_caching_never_hits():

@@ -170,7 +170,7 @@ def test_a_failed_step_leaves_no_hash_of_unwritten_blocks(tiny_llm, monkeypatch)
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs[-1].error is not None and outputs[-1].outputs[0].finish_reason == "error"
-    assert set(engine.kv_cache.pool.cached) == cached_before  # nothing of the failed step was registered
+    assert set(engine.kv_cache.pool.cached) <= cached_before  # nothing of the failed step was registered
     monkeypatch.undo()
     again = tiny_llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].finish_reason == "length"

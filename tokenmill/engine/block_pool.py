@@ -1,8 +1,11 @@
 """Block pool: KV blocks, their reference counts, the free queue and the prefix-hash map.
 
-Free blocks sit in an LRU queue. A freed block keeps its cached content (and its hash
+Freed blocks sit in an LRU queue. A freed block keeps its cached content (and its hash
 entry) until the pool hands it out again, so a later request with the same prefix can
-revive it; eviction takes the least recently freed block first.
+revive it; eviction takes the least recently freed block first. Blocks never handed out come
+last: the KV pool's memory becomes resident only as pages are first written (worker/
+model_runner.py), so reusing a freed block before touching a fresh one keeps the resident KV
+at the peak of what was in use at once; cached prefixes live in that memory, not beyond it.
 
 A cached block can only be found through its whole chain: a hit needs the block's own token
 ids and its parent block as it was when the block was computed (block id and generation; the
@@ -38,7 +41,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict()  # handed out before, freed since; LRU first
+        self.next_fresh = 0  # blocks [next_fresh, num_blocks) were never handed out
         self.cached: dict[bytes, KVBlock] = {}
 
     @property
@@ -47,15 +51,22 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.blocks) - self.next_fresh
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self.free_queue or block_id >= self.next_fresh
 
     def allocate(self, count: int) -> list[KVBlock] | None:
-        """Take `count` blocks from the front of the free queue, evicting their cached content."""
-        if count > len(self.free_queue):
+        """Take `count` blocks: from the front of the free queue (evicting their cached content),
+        then never-used ones."""
+        if count > self.num_free_blocks:
             return None
         taken = []
         for _ in range(count):
-            block_id, _ = self.free_queue.popitem(last=False)
+            if self.free_queue:
+                block_id, _ = self.free_queue.popitem(last=False)
+            else:
+                block_id, self.next_fresh = self.next_fresh, self.next_fresh + 1
             block = self.blocks[block_id]
             self._evict(block)
             block.generation += 1

@@ -173,7 +173,7 @@ class KVCacheManager:
             expected = owners.get(block.block_id, 0)
             if block.ref_cnt != expected:
                 raise RuntimeError(f"block {block.block_id}: ref_cnt {block.ref_cnt} != {expected} owners")
-            if (block.ref_cnt == 0) != (block.block_id in self.pool.free_queue):
+            if (block.ref_cnt == 0) != self.pool.is_free(block.block_id):
                 raise RuntimeError(f"block {block.block_id}: free-queue membership disagrees with ref_cnt")
         for block_hash, block in self.pool.cached.items():
             if block.block_hash != block_hash:
