@@ -30,8 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import build_prompts  # noqa: E402
+from serve_latency import salted  # noqa: E402
 
-from tokenmill.bench.serve import BenchRequest, run_load, summarize  # noqa: E402
+from tokenmill.bench.serve import BenchRequest, run_load, served_model_name, summarize  # noqa: E402
 
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache/tokenmill-peers/llama.cpp/build/bin/llama-server"
 
@@ -101,17 +102,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
             "--max-model-len", "2048"], env
 
 
-def served_model(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
-        return json.load(response)["data"][0]["id"]
-
-
 # ---- workloads --------------------------------------------------------------------------------
-def salted(prompts: list[list[int]], salt: int) -> list[list[int]]:
-    """Another first token per phase: no phase hits another's prefix cache."""
-    return [[salt] + p[1:] for p in prompts]
-
-
 def phase(port: int, model: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
     requests = [BenchRequest(p, output_len) for p in prompts]
     records, elapsed = asyncio.run(run_load(f"http://127.0.0.1:{port}", model, requests, float("inf"),
@@ -133,7 +124,7 @@ def run_engine(name: str, args: argparse.Namespace, prompts: dict[str, list[list
     try:
         wait_ready(port, process)
         ready_s = time.perf_counter() - launched
-        model = served_model(port)
+        model = served_model_name(f"http://127.0.0.1:{port}", None, None)
         phase(port, model, prompts["warmup"], 8, 4)
         w1 = [phase(port, model, [p], args.output_len, 1) for p in prompts["w1"]]
         w2 = phase(port, model, prompts["w2"], args.output_len, len(prompts["w2"]))

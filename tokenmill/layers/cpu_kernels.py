@@ -1,10 +1,11 @@
 """Our C++ CPU kernels (csrc/), built on first use with the machine's compiler.
 
-One extension holds them all: paged decode attention (paged_decode.cpp) and quantized-weight
-matrix-vector products, with float32 activations (quant_gemv.cpp) and, on CPUs with AVX-512
-VNNI, with 8-bit ones (quant_gemv_q8.cpp), and the small fused steps of every layer (fused_ops.cpp:
-RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write). The build takes ~15 s once and is cached by
-torch.utils.cpp_extension under ~/.cache/torch_extensions, keyed by this CPU's feature flags
+One extension holds them all: paged decode attention (paged_decode.cpp), quantized-weight
+matrix-vector products with float32 activations (quant_gemv.cpp) and, on CPUs with AVX-512
+VNNI, with 8-bit ones (quant_gemv_q8.cpp), and the small fused steps of every layer
+(fused_ops.cpp: RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write).
+The build takes ~15 s once and is cached by torch.utils.cpp_extension under
+~/.cache/torch_extensions, keyed by this CPU's feature flags and the sources
 (builds use -march=native). Everything here needs AVX-512; where the build is unavailable, or
 with TOKENMILL_CPU_KERNELS=0, callers use their PyTorch paths.
 """
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "fused_ops.cpp")]
-HEADERS = [CSRC / "vec_math.h"]  # in the build fingerprint too
+HEADERS = [CSRC / "vec_math.h", CSRC / "quant_layout.h"]  # in the build fingerprint too
 
 
 def kernels_enabled() -> bool:
@@ -61,7 +62,6 @@ def load_cpu_kernels() -> bool:
 def kernels_available() -> bool:
     """Enabled and built: the ops are registered under torch.ops.tokenmill."""
     return kernels_enabled() and load_cpu_kernels()
-
 
 
 @functools.cache

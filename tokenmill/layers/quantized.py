@@ -172,13 +172,16 @@ def uses_kernel(x: torch.Tensor) -> bool:
 def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, activation_bits: int | None = 16) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, N] in x's dtype. activation_bits: what the kernel may round a bf16/fp16
     x to (8 or 16), None to keep it float32."""
-    q = qweight
     if uses_kernel(x):
-        if activation_bits is not None and x.dtype != torch.float32 and _q8_kernel_available():
-            return torch.ops.tokenmill.quant_gemv_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
-                                                             activation_bits == 16)
-        return torch.ops.tokenmill.quant_gemv.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
-    return F.linear(x, q.dequantize(x.dtype))
+        return _kernel_matmul(x, qweight, activation_bits)
+    return F.linear(x, qweight.dequantize(x.dtype))
+
+
+def _kernel_matmul(x: torch.Tensor, q: QuantizedWeight, activation_bits: int | None) -> torch.Tensor:
+    if activation_bits is not None and x.dtype != torch.float32 and _q8_kernel_available():
+        return torch.ops.tokenmill.quant_gemv_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
+                                                         activation_bits == 16)
+    return torch.ops.tokenmill.quant_gemv.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
 
 
 # names of this module's own, for tests to switch the kernels off
@@ -198,9 +201,12 @@ class QuantizedLinear(nn.Module):
         self.activation_bits: int | None = 16  # what the kernel may round bf16/fp16 inputs to (None: float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batched is not None and not uses_kernel(x):
+        if uses_kernel(x):
+            out = _kernel_matmul(x, self.qweight, self.activation_bits)
+        elif self.batched is not None:
             return self.batched(x)
-        out = quantized_matmul(x, self.qweight, self.activation_bits)
+        else:
+            out = F.linear(x, self.qweight.dequantize(x.dtype))
         return out if self.bias is None else out + self.bias
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,6 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor whose memory becomes resident only where it is written: a private
     anonymous mapping, whose pages the OS hands out zeroed on first write (torch.zeros would
     write, and so commit, the whole pool at start)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)  # keeps `buffer` alive

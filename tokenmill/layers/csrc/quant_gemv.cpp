@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "quant_layout.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -141,22 +143,8 @@ void run(const float* x, int64_t M, int64_t K, const at::Tensor& codes, const at
 
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const at::Tensor& offsets, int64_t bits, int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2, "x must be a [M, K] matrix");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(group_size % 16 == 0, "the group size must be a multiple of 16");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
-              "codes must be contiguous uint8 [N, bytes per row]");
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
-              "scales must be contiguous float32 or float16");
-  TORCH_CHECK(offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous() &&
-              offsets.sizes() == scales.sizes(), "offsets must be like scales");
+  tokenmill_quant::check_arguments(x, codes, scales, offsets, bits, group_size);
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 32 == 0 && K % group_size == 0, "K must be a multiple of 32 and of the group size");
-  TORCH_CHECK(codes.size(1) == (bits == 8 ? K : K / 2), "codes do not match K");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size,
-              "scales must be [N, K / group_size]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "x must be float32, bfloat16 or float16");
   const at::Tensor x32 = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (scales.scalar_type() == at::kHalf) {

@@ -24,6 +24,9 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "quant_layout.h"
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -36,24 +39,7 @@ constexpr int64_t kChunk = 64;   // columns per vpdpbusd (and per packed 4-bit c
 constexpr int64_t kMaxRows = 8;  // activation rows sharing one pass over the weights
 constexpr int64_t kPrefetchRows = 8;  // how far ahead of the current output row its weights are fetched
 
-// 16 activations as float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// Up to 16 per-group values (scales or offsets) as float32, zero past `count`.
-inline __m512 load_groups(const float* p, int64_t count) {
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1), p);
-}
-inline __m512 load_groups(const c10::Half* p, int64_t count) {
-  const __mmask16 mask = static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
-}
+using tokenmill_vec::load;  // n <= 16 elements as float32, zero past n
 
 // Activations of one row, quantized per group: q (K rounded up to 64, zero past K), the
 // group scales d and the groups' float sums X (groups rounded up to 16, zero past the end).
@@ -69,7 +55,7 @@ void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
   for (int64_t g = 0; g < K / G; ++g) {
     __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
     for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-      const __m512 v = load16(x + k);
+      const __m512 v = load(x + k, 16);
       amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
       sum = _mm512_add_ps(sum, v);
     }
@@ -78,7 +64,7 @@ void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
     row.sums[g] = _mm512_reduce_add_ps(sum);
     const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
     for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-      const __m512 steps = _mm512_mul_ps(load16(x + k), inverse);  // x / d
+      const __m512 steps = _mm512_mul_ps(load(x + k, 16), inverse);  // x / d
       const __m512i rounded = _mm512_cvtps_epi32(steps);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + k), _mm512_cvtsepi32_epi8(rounded));
       if (row.q2 != nullptr) {  // (x / d - q) in [-1/2, 1/2], in 254ths
@@ -134,8 +120,8 @@ void gemv_rows(const QuantizedRow* x, const uint8_t* codes, const S* scales, con
       for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm512_setzero_ps();
     for (int64_t block = 0; block * block_cols < K; ++block) {
       const int64_t g0 = block * 16, count = std::min<int64_t>(16, groups - g0);
-      const __m512 block_scales = load_groups(s + g0, count);
-      const __m512 block_offsets = load_groups(o + g0, count);
+      const __m512 block_scales = load(s + g0, count);
+      const __m512 block_offsets = load(o + g0, count);
       __m512 lane_scales[ROWS];
       for (int r = 0; r < ROWS; ++r) {
         lane_scales[r] = _mm512_mul_ps(block_scales, _mm512_loadu_ps(x[r].d + g0));
@@ -256,20 +242,8 @@ void run_for_scales(const at::Tensor& x, const at::Tensor& codes, const at::Tens
 at::Tensor quant_gemv_q8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                          const at::Tensor& offsets, int64_t bits, int64_t group_size, bool two_parts) {
 #if defined(__AVX512VNNI__)
-  TORCH_CHECK(x_in.dim() == 2, "x must be a [M, K] matrix");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(group_size % 16 == 0, "the group size must be a multiple of 16");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
-              "codes must be contiguous uint8 [N, bytes per row]");
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
-              "scales must be contiguous float32 or float16");
-  TORCH_CHECK(offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous() &&
-              offsets.sizes() == scales.sizes(), "offsets must be like scales");
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 32 == 0 && K % group_size == 0, "K must be a multiple of 32 and of the group size");
-  TORCH_CHECK(codes.size(1) == (bits == 8 ? K : K / 2), "codes do not match K");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size,
-              "scales must be [N, K / group_size]");
+  tokenmill_quant::check_arguments(x_in, codes, scales, offsets, bits, group_size);
+  const int64_t M = x_in.size(0), N = codes.size(0);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   switch (x.scalar_type()) {
