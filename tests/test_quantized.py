@@ -10,7 +10,8 @@ import torch
 from tokenmill.layers import quantized
 from tokenmill.layers.cpu_kernels import kernels_available, quant_gemv_q8_available
 from tokenmill.layers.quantized import (
-    QuantizedLinear, QuantizedWeight, concat_rows, pack_nibbles, quantize_rtn, quantized_matmul, unpack_nibbles,
+    InterleavedWeight, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concat_rows, interleave_weights,
+    pack_nibbles, quantize_rtn, quantized_matmul, unpack_nibbles,
 )
 from tokenmill.models.gguf_quants import QUANTIZED_TYPES, repack
 
@@ -81,6 +82,30 @@ def test_kernel_takes_half_precision_activations(dtype):
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16), (4, 16), (4, 64)])
+@pytest.mark.parametrize("num_rows", [1, 16, 45])
+def test_interleaved_layout_round_trips_with_the_documented_byte_order(bits, group, num_rows):
+    q = random_weight(num_rows, 128, bits, group, seed=num_rows)
+    w = InterleavedWeight.from_rows(q)
+    blocks, groups = -(-num_rows // 16), 128 // group
+    assert w.codes.shape == (blocks, groups, 16 * group * bits // 8) and w.scales.shape == (blocks, groups, 16)
+    u = q.unpacked_codes()
+    row, g, col = num_rows - 1, groups - 1, 5  # last row, last group; column 5 = quad 1, byte 1
+    block, lane = divmod(row, 16)
+    byte = w.codes[block, g, 64 * 1 + 4 * lane + 1]
+    if bits == 8:
+        assert int(byte) == int(u[row, g * group + col])
+    else:  # quad j in the low nibbles of vector j, quad j + G / 8 in the high ones
+        assert int(byte) == int(u[row, g * group + col]) | int(u[row, g * group + col + group // 2]) << 4
+    assert w.scales[block, g, lane] == q.scales[row, g]
+    assert (w.codes[-1].view(groups, -1, 16, 4)[:, :, num_rows % 16 or 16:] == 0).all()  # padding rows are zero
+    back = w.to_rows()
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.scales, q.scales) and torch.equal(back.offsets, q.offsets)
+    ids = torch.tensor([row, 0, row // 2])
+    torch.testing.assert_close(w.rows(ids).dequantize(), q.dequantize()[ids], rtol=0, atol=0)
+    assert w.shape == q.shape
+
+
 def activation_rounding_bound(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     """[M, N]: the most that rounding x to 8 bits per group can move x @ W.T in quant_gemv_q8:
     sum over groups of |scale| * (max |x| / 127) / 2 * sum of the group's codes."""
@@ -90,17 +115,23 @@ def activation_rounding_bound(x: torch.Tensor, q: QuantizedWeight) -> torch.Tens
     return (step / 2) @ (q.scales.double().abs() * code_sums).T
 
 
+def q8_matmul(x: torch.Tensor, q: QuantizedWeight, two_parts: bool) -> torch.Tensor:
+    w = InterleavedWeight.from_rows(q)
+    return torch.ops.tokenmill.quant_gemv_q8(x, w.codes, w.scales, w.offsets, w.bits, w.group_size, w.num_rows,
+                                             two_parts)
+
+
 @needs_q8_kernel
 @pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 16), (4, 16), (8, 64), (4, 128)]))
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("two_parts", [False, True], ids=["8-bit", "two 8-bit parts"])
 def test_q8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype, two_parts):
-    q = random_weight(45, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)
+    q = random_weight(45, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)  # 45: a padded last block
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
     want = x.double() @ reference_weight(q).T
-    got = torch.ops.tokenmill.quant_gemv_q8(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, two_parts)
-    assert got.dtype == dtype
+    got = q8_matmul(x, q, two_parts)
+    assert got.dtype == dtype and got.shape == (rows, 45)
     rounding = activation_rounding_bound(x, q) / (254 if two_parts else 1)  # the second part: in 254ths of a step
     bound = rounding + 1e-5 * (x.double().abs() @ reference_weight(q).abs().T)
     if dtype == torch.bfloat16:
@@ -111,23 +142,42 @@ def test_q8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype
 
 
 @needs_q8_kernel
+def test_q8_kernel_refuses_a_row_layout():
+    q = random_weight(32, 64, 4, 32)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        torch.ops.tokenmill.quant_gemv_q8(torch.randn(1, 64), q.codes, q.scales, q.offsets, 4, 32, 32, True)
+
+
+@needs_q8_kernel
 def test_which_kernel_a_layer_takes(monkeypatch):
-    """float32 activations: the float kernel; bf16: the VNNI kernel with two 8-bit parts by default,
-    one where a layer asks for 8 bits, the float kernel for None or on a CPU without VNNI."""
+    """The row layout: the float kernel. Interleaved (bf16 models on VNNI CPUs): the VNNI kernel with
+    two 8-bit parts by default, one where a layer asks for 8 bits, the float kernel for None or on a
+    CPU without VNNI."""
     q = random_weight(64, 576, 4, 32)
+    w = InterleavedWeight.from_rows(q)
     x = torch.randn(2, 576)
     exact = torch.ops.tokenmill.quant_gemv(x, q.codes, q.scales, q.offsets, 4, 32)
     assert torch.equal(quantized_matmul(x, q), exact)
     x16 = x.bfloat16()
-    for bits, two_parts in ((16, True), (8, False)):
-        want = torch.ops.tokenmill.quant_gemv_q8(x16, q.codes, q.scales, q.offsets, 4, 32, two_parts)
-        assert torch.equal(quantized_matmul(x16, q, bits), want)
-    layer = QuantizedLinear(q)
-    assert torch.equal(layer(x16), quantized_matmul(x16, q, 16))
     float_kernel = torch.ops.tokenmill.quant_gemv(x16, q.codes, q.scales, q.offsets, 4, 32)
-    assert torch.equal(quantized_matmul(x16, q, None), float_kernel)
-    monkeypatch.setattr(quantized, "_q8_kernel_available", lambda: False)  # a CPU without VNNI
     assert torch.equal(quantized_matmul(x16, q), float_kernel)
+    for bits, two_parts in ((16, True), (8, False)):
+        assert torch.equal(quantized_matmul(x16, w, bits), q8_matmul(x16, q, two_parts))
+    assert torch.equal(QuantizedLinear(w)(x16), q8_matmul(x16, q, True))
+    assert torch.equal(quantized_matmul(x16, w, None), float_kernel)
+    monkeypatch.setattr(quantized, "_q8_kernel_available", lambda: False)  # a CPU without VNNI
+    assert torch.equal(quantized_matmul(x16, w), float_kernel)
+
+
+def test_interleaving_a_model_keeps_a_tied_table_shared():
+    q = random_weight(40, 64, 8, 32)
+    model = torch.nn.ModuleDict({"embed": QuantizedEmbedding(q, torch.float32), "head": QuantizedLinear(q),
+                                 "other": QuantizedLinear(random_weight(8, 64, 4, 32))})
+    ids = torch.tensor([0, 39, 7])
+    before = model["embed"](ids)
+    assert interleave_weights(model) == 2
+    assert isinstance(model["head"].qweight, InterleavedWeight) and model["head"].qweight is model["embed"].qweight
+    torch.testing.assert_close(model["embed"](ids), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 9, 17, 64])

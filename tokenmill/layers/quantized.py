@@ -9,16 +9,18 @@ Q4_0 is 4-bit with o = -8 s, Q4_1 and Q4_K 4-bit with o = their min, Q8_0 8-bit 
 and o = -128 s, Q5_K 8-bit, Q6_K 8-bit with G = 16 (see models/gguf_quants.py).
 
 A few rows (decode) go through our AVX-512 kernels, which read the codes from memory as they are.
-float32 activations stay float32 (csrc/quant_gemv.cpp: the dequantized weight's product up to
-float32 rounding). bfloat16/float16 ones, on CPUs with AVX-512 VNNI, are rounded per group of the
-weight's (csrc/quant_gemv_q8.cpp) to a layer's `activation_bits`: 16 by default (two 8-bit parts,
-~exact: the default model's perplexity on the decode path is bf16's to 0.01%) or 8 (as llama.cpp
-does: +1.3% perplexity, +1.2% of it from the q/k/v projection, and no faster here, where the
-weights' bytes set the pace; benchmarks/perplexity.py). Either is ~2x the float32 kernel's speed. More rows (prefill, large decode
-batches) use `batched`, a dense module over the dequantized weight that layers/linear.py packs
-for oneDNN once at load on bf16 CPUs, so the matrix units run them; where there is none, a call
-dequantizes the weight for itself. Without the kernel (no AVX-512, CUDA) few rows go the same
-way: correct, not fast.
+float32 activations stay float32 (csrc/quant_gemv.cpp, over this row layout: the dequantized
+weight's product up to float32 rounding). For bfloat16/float16 models on CPUs with AVX-512 VNNI,
+the loader re-lays each linear's weight out once as an InterleavedWeight (16 output rows side by
+side per group, the operand layout of vpdpbusd) for csrc/quant_gemv_q8.cpp, which rounds the
+activations per group of the weight's to a layer's `activation_bits`: 16 by default (two 8-bit
+parts, ~exact: the default model's perplexity on the decode path is bf16's to 0.01%) or 8 (as
+llama.cpp does: +1.3% perplexity; benchmarks/perplexity.py). That kernel's integer sums stay in
+one lane per output row, so it needs no horizontal sums and reads the weights at memory speed.
+More rows (prefill, large decode batches) use `batched`, a dense module over the dequantized
+weight that layers/linear.py packs for oneDNN once at load on bf16 CPUs, so the matrix units run
+them; where there is none, a call dequantizes the weight for itself. Without the kernels (no
+AVX-512, CUDA) few rows go the same way: correct, not fast.
 """
 
 from __future__ import annotations
@@ -103,6 +105,67 @@ class QuantizedWeight:
                                           self.offsets.repeat_interleave(repeat, dim=1), bits, group_size)
 
 
+LANES = 16  # output rows side by side in the interleaved layout (one vpdpbusd's int32 lanes)
+
+
+@dataclass
+class InterleavedWeight:
+    """A QuantizedWeight laid out for the VNNI kernel (see csrc/quant_gemv_q8.cpp): output rows in
+    blocks of 16 (the last padded with zeros); per block and group, the 16 rows' codes four columns
+    at a time side by side ("quads"), 4-bit quads j and j + G / 8 sharing bytes (low, high nibble)."""
+
+    codes: torch.Tensor  # uint8 [B, K / G, 16 G bits / 8], B = ceil(N / 16)
+    scales: torch.Tensor  # [B, K / G, 16]
+    offsets: torch.Tensor  # [B, K / G, 16]
+    bits: int
+    group_size: int
+    num_rows: int  # N
+
+    @classmethod
+    def from_rows(cls, q: QuantizedWeight) -> InterleavedWeight:
+        rows, cols = q.shape
+        group, blocks = q.group_size, -(-rows // LANES)
+        pad = blocks * LANES - rows
+        u = torch.cat([q.unpacked_codes(), q.codes.new_zeros(pad, cols)]) if pad else q.unpacked_codes()
+        quads = u.view(blocks, LANES, cols // group, group // 4, 4).permute(0, 2, 3, 1, 4)  # [B, groups, quads, 16, 4]
+        if q.bits == 4:
+            half = group // 8
+            quads = quads[:, :, :half] | (quads[:, :, half:] << 4)
+        codes = quads.reshape(blocks, cols // group, -1).contiguous()
+
+        def lanes(values: torch.Tensor) -> torch.Tensor:
+            values = torch.cat([values, values.new_zeros(pad, values.shape[1])]) if pad else values
+            return values.view(blocks, LANES, -1).transpose(1, 2).contiguous()
+
+        return cls(codes, lanes(q.scales), lanes(q.offsets), q.bits, q.group_size, rows)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.num_rows, self.scales.shape[1] * self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
+        """The selected output rows, in the row layout (embedding lookups of a tied head)."""
+        ids = torch.arange(self.num_rows)[index] if isinstance(index, slice) else index
+        block, lane = ids // LANES, ids % LANES
+        blocks, groups, _ = self.codes.shape
+        quads = self.codes.view(blocks, groups, -1, LANES, 4).permute(0, 3, 1, 2, 4)[block, lane]  # [T, groups, q, 4]
+        if self.bits == 4:
+            quads = torch.cat([quads & 0xF, quads >> 4], dim=2)
+        u = quads.reshape(len(ids), -1)
+        scales, offsets = (t.transpose(1, 2)[block, lane] for t in (self.scales, self.offsets))
+        return QuantizedWeight.from_codes(u, scales, offsets, self.bits, self.group_size)
+
+    def to_rows(self) -> QuantizedWeight:
+        return self.rows(slice(None))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.to_rows().dequantize(dtype)
+
+
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     rows, cols = u.shape
     u = u.to(torch.uint8)
@@ -164,23 +227,29 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     return QuantizedWeight(torch.cat([p.codes for p in parts]).contiguous(), scales, offsets, bits, group)
 
 
+AnyQuantizedWeight = QuantizedWeight | InterleavedWeight
+
+
 def uses_kernel(x: torch.Tensor) -> bool:
     """Whether x (its rows) goes through the quantized matrix-vector kernel."""
     return x.device.type == "cpu" and x.shape[0] <= GEMV_MAX_ROWS and _kernel_available()
 
 
-def quantized_matmul(x: torch.Tensor, qweight: QuantizedWeight, activation_bits: int | None = 16) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] in x's dtype. activation_bits: what the kernel may round a bf16/fp16
-    x to (8 or 16), None to keep it float32."""
+def quantized_matmul(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bits: int | None = 16) -> torch.Tensor:
+    """x [M, K] @ W.T -> [M, N] in x's dtype. activation_bits: what the VNNI kernel may round x to
+    (8 or 16) for an InterleavedWeight, None to keep it float32 (the row layout's float kernel)."""
     if uses_kernel(x):
         return _kernel_matmul(x, qweight, activation_bits)
     return F.linear(x, qweight.dequantize(x.dtype))
 
 
-def _kernel_matmul(x: torch.Tensor, q: QuantizedWeight, activation_bits: int | None) -> torch.Tensor:
-    if activation_bits is not None and x.dtype != torch.float32 and _q8_kernel_available():
-        return torch.ops.tokenmill.quant_gemv_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
-                                                         activation_bits == 16)
+def _kernel_matmul(x: torch.Tensor, q: AnyQuantizedWeight, activation_bits: int | None) -> torch.Tensor:
+    if isinstance(q, InterleavedWeight):
+        if activation_bits is None or not _q8_kernel_available():
+            q = q.to_rows()  # slow: a layer asked for float32 activations after load
+        else:
+            return torch.ops.tokenmill.quant_gemv_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
+                                                             q.num_rows, activation_bits == 16)
     return torch.ops.tokenmill.quant_gemv.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
 
 
@@ -192,7 +261,7 @@ _q8_kernel_available = quant_gemv_q8_available
 class QuantizedLinear(nn.Module):
     """y = x @ W.T + b with W group-quantized."""
 
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: AnyQuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.qweight = qweight
         self.bias = bias
@@ -234,7 +303,7 @@ def quantize_linear_layers(module: nn.Module, bits: int, group_size: int = 32) -
 class QuantizedEmbedding(nn.Module):
     """Token embeddings from a quantized table: only the looked-up rows are dequantized."""
 
-    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, qweight: AnyQuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
         self.qweight = qweight
         self.dtype = dtype
@@ -242,3 +311,21 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight.rows(ids).dequantize(self.dtype)
+
+
+def interleave_weights(model: nn.Module) -> int:
+    """Re-lay every quantized weight of the model out for the VNNI kernel, in place of its row
+    layout (a tied embedding and head keep sharing one table); returns how many were."""
+    done: dict[int, InterleavedWeight] = {}
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and isinstance(module.qweight, QuantizedWeight):
+            key = id(module.qweight)
+            if key not in done:
+                done[key] = InterleavedWeight.from_rows(module.qweight)
+            module.qweight = done[key]
+    return len(done)
+
+
+def interleaving_pays(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode on this device and dtype runs the VNNI kernel (float32 keeps the exact one)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and _q8_kernel_available()

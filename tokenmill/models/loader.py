@@ -16,7 +16,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
 from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
 from tokenmill.layers.parallel import Communicator
-from tokenmill.layers.quantized import quantize_linear_layers
+from tokenmill.layers.quantized import interleave_weights, interleaving_pays, quantize_linear_layers
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
 from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
@@ -176,6 +176,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     if quantization in ("int8", "int4"):  # the decoder layers' linears; embedding and head keep their dtype
         quantize_linear_layers(net.layers, 8 if quantization == "int8" else 4)
     maybe_pack_weights(net, dtype, device)
+    if interleaving_pays(device, dtype):  # after packing: that dequantizes from the row layout
+        interleave_weights(net)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is not None and eos not in config.eos_token_ids:

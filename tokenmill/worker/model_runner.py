@@ -11,6 +11,7 @@ from tokenmill.engine.scheduler_output import SamplingRequest, SchedulerOutput
 from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry
 from tokenmill.layers.cpu_attention import default_attention_backend
 from tokenmill.layers.sampler import SamplingSpec, sample
+from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.outputs import SampledToken
 from tokenmill.worker.forward_input import ForwardInput
@@ -47,6 +48,8 @@ class ModelRunner:
         self.kv_cache = zeros_on_demand(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype,
                                                                                                 device=device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        # few-row decode steps skip the modules' per-call Python (models/decode_plan.py)
+        self.decode_plan = DecodePlan(model, self.kv_caches) if DecodePlan.applies(self.backend) else None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
@@ -65,7 +68,10 @@ class ModelRunner:
             geometry=self.geometry,
         )
         ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
-        hidden = self.model(input_ids, metadata.positions, ctx)  # [T, hidden]
+        if self.decode_plan is not None and DecodePlan.covers(input_ids, ctx):
+            hidden = self.decode_plan.forward(input_ids, metadata.positions, ctx)  # [T, hidden]
+        else:
+            hidden = self.model(input_ids, metadata.positions, ctx)
 
         logits_rows, end = [], 0
         for ids, needs_logits in zip(batch.token_ids, batch.needs_logits):

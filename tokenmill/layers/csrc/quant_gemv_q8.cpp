@@ -1,21 +1,28 @@
 // Matrix-vector products with group-quantized weights and 8-bit activations, for x86 CPUs with
-// AVX-512 VNNI: the same weight layout as quant_gemv.cpp, four times the multiply-adds per
-// instruction. This is how llama.cpp runs its quantized types on these CPUs.
+// AVX-512 VNNI. The weights are in the interleaved layout (layers/quantized.py, interleave()),
+// which puts 16 output rows side by side so that one vpdpbusd advances all 16 of them:
 //
-//   quant_gemv_q8(x [M, K], codes, scales [N, K/G], offsets [N, K/G], bits, G, two_parts) -> [M, N] in x's dtype
+//   quant_gemv_q8(x [M, K], codes, scales [B, K/G, 16], offsets [B, K/G, 16], bits, G, N, two_parts) -> [M, N]
 //
-// Each activation row is quantized per group of G columns, the same groups as the weight's:
+// Output rows go in B = ceil(N / 16) blocks of 16 (the last one padded with zero weights). Per
+// block and group g of G input columns, the codes of the 16 rows come as G / 4 "quads" of 64
+// bytes: byte 4 i + t of quad j is row i's code at column 4 j + t of the group, which is the
+// operand layout of vpdpbusd (lane i sums row i's four products). 8-bit: the G / 4 quads one after
+// another (16 G bytes). 4-bit: G / 8 vectors of 64 bytes, vector j holding quad j in its low
+// nibbles and quad j + G / 8 in its high ones (8 G bytes). Lane i of scales/offsets is row i's.
+//
+// Each activation row is quantized per group, the weight's groups:
 //   x[k] ~ d[g] * q[k],  d[g] = max |x| over the group / 127,  q int8
 // and the group's exact float sum X[g] is kept. With w = s * u + o (u the unsigned code),
 //   sum_k w[k] x[k] ~ sum_g  s[g] d[g] * sum_{k in g} u[k] q[k]   +   sum_g o[g] X[g]
-// The inner integer sums are vpdpbusd (64 u8 x s8 products into 16 int32 lanes, lane l holding
-// columns 4l..4l+3 of a 64-column chunk); each lane is scaled by its group's s * d, picked out
-// of a vector of 16 groups' s * d by one permute. The only error is rounding the activations to
-// 8 bits: |error| <= sum_g |s[g]| d[g] / 2 * sum_{k in g} u[k] (see tests/test_quantized.py).
+// The integer sums over a group accumulate in int32 lanes (one per output row: no horizontal
+// sums anywhere); each group then costs one conversion and two multiply-adds per 16 rows. The
+// only error is rounding the activations to 8 bits:
+//   |error| <= sum_g |s[g]| d[g] / 2 * sum_{k in g} u[k]   (see tests/test_quantized.py)
 //
 // two_parts (what layers use by default): the rounding error is itself rounded to 8 bits,
 // x ~ d q + (d / 254) q2, and both parts go through vpdpbusd: 254 times less error (~16-bit
-// activations) for ~1.5x the arithmetic, which the weights' memory traffic hides at one row.
+// activations). At one row the weights' memory traffic sets the pace either way.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -24,25 +31,24 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
-#include "quant_layout.h"
 #include "vec_math.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
+constexpr int64_t kLanes = 16;     // output rows per block
+
 #if defined(__AVX512VNNI__)
 
-constexpr int64_t kChunk = 64;   // columns per vpdpbusd (and per packed 4-bit chunk)
-constexpr int64_t kMaxRows = 8;  // activation rows sharing one pass over the weights
-constexpr int64_t kPrefetchRows = 8;  // how far ahead of the current output row its weights are fetched
+constexpr int64_t kPassRows = 4;   // activation rows per pass over a block (the rest: more passes, from L1)
 
-using tokenmill_vec::load;  // n <= 16 elements as float32, zero past n
+using tokenmill_vec::load;  // n <= 16 elements as float32
 
-// Activations of one row, quantized per group: q (K rounded up to 64, zero past K), the
-// group scales d and the groups' float sums X (groups rounded up to 16, zero past the end).
+// Activations of one row, quantized per group: q [K], the group scales d and sums X [K / G].
 struct QuantizedRow {
   int8_t* q;
   int8_t* q2;  // two_parts: the rounding error of q, in steps of d / 254 (else nullptr)
@@ -75,103 +81,109 @@ void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
   }
 }
 
-// The 64 (or, in a 32-column tail, 32 then zeros) codes of a chunk as bytes in column order.
-inline __m512i load_codes(const uint8_t* row, int64_t chunk_start, int64_t width, int bits) {
-  if (bits == 8) {
-    if (width == kChunk) return _mm512_loadu_si512(row + chunk_start);
-    return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + chunk_start)));
-  }
-  const uint8_t* packed = row + chunk_start / 2;
-  if (width == kChunk) {  // bytes 0-31: columns 0-31 in the low nibbles, 32-63 in the high ones
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
-    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
-  }
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));  // 0-15 low, 16-31 high
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
-  return _mm512_zextsi256_si512(both);
+// Four activation bytes (columns k .. k + 3) in every lane.
+__attribute__((always_inline)) inline __m512i broadcast4(const int8_t* q) {
+  int32_t quad;
+  std::memcpy(&quad, q, sizeof(quad));
+  return _mm512_set1_epi32(quad);
 }
 
-// Output rows [n_begin, n_end) for ROWS activation rows, into out[r * out_stride + n - n_begin].
-// Columns go in blocks of 16 groups: per block, each activation row's 16 lane scales s * d are one multiply; per chunk, lane l of
-// the int32 sums takes the scale of group (64 c + 4 l) / G, picked by lane_index[c].
-template <int ROWS, bool TWO_PARTS, typename S>
-void gemv_rows(const QuantizedRow* x, const uint8_t* codes, const S* scales, const S* offsets, int64_t n_begin,
-               int64_t n_end, int64_t K, int64_t G, int bits, const __m512i* lane_index, float* out, int64_t out_stride) {
-  // Chunks go in pairs into two accumulators per row (a chain of multiply-adds waits on itself);
-  // the indices are compile-time constants so that the accumulators stay in registers.
-  constexpr int kAcc = ROWS <= 4 ? 2 : 1;
-  const int64_t row_bytes = bits == 8 ? K : K / 2;
-  const int64_t groups = K / G;
-  const int64_t block_cols = 16 * G;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* w = codes + n * row_bytes;
-    const S* s = scales + n * groups;
-    const S* o = offsets + n * groups;
-    if (n + kPrefetchRows < n_end) {  // weights stream from memory: ask for them before they are due
-      const char* ahead = reinterpret_cast<const char*>(w + kPrefetchRows * row_bytes);
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchRows * groups), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(o + kPrefetchRows * groups), _MM_HINT_T0);
-    }
-    __m512 acc[ROWS][kAcc];
+// Blocks [b_begin, b_end) for ROWS activation rows, NB blocks at a time (independent chains of
+// multiply-adds: one waits on itself), into out[r * out_stride + 16 (b - b_begin) + i]. Each
+// group's integer sums go into two accumulators per part (low and high nibbles, or even and odd
+// quads), for the same reason.
+template <int ROWS, int NB, bool TWO_PARTS, int BITS, typename S>
+void gemv_blocks(const QuantizedRow* x, const uint8_t* codes, const S* scales, const S* offsets, int64_t b_begin,
+                 int64_t b_end, int64_t groups, int64_t G, float* out, int64_t out_stride) {
+  constexpr int kParts = TWO_PARTS ? 2 : 1;
+  const int64_t group_bytes = kLanes * G * BITS / 8;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  int64_t b = b_begin;
+  for (; b + NB <= b_end; b += NB) {
+    __m512 acc[ROWS][NB];
     for (int r = 0; r < ROWS; ++r)
-      for (int a = 0; a < kAcc; ++a) acc[r][a] = _mm512_setzero_ps();
-    for (int64_t block = 0; block * block_cols < K; ++block) {
-      const int64_t g0 = block * 16, count = std::min<int64_t>(16, groups - g0);
-      const __m512 block_scales = load(s + g0, count);
-      const __m512 block_offsets = load(o + g0, count);
-      __m512 lane_scales[ROWS];
-      for (int r = 0; r < ROWS; ++r) {
-        lane_scales[r] = _mm512_mul_ps(block_scales, _mm512_loadu_ps(x[r].d + g0));
-        acc[r][0] = _mm512_fmadd_ps(block_offsets, _mm512_loadu_ps(x[r].sums + g0), acc[r][0]);
-      }
-      const int64_t start = block * block_cols, end = std::min(K, start + block_cols);
-      auto chunk = [&](int64_t c, __m512* row_acc[ROWS]) {
-        const __m512i weights = load_codes(w, c, std::min(kChunk, K - c), bits);
-        const __m512i index = lane_index[(c - start) / kChunk];
-        for (int r = 0; r < ROWS; ++r) {
-          const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights,
-                                                   _mm512_loadu_si512(x[r].q + c));
-          __m512 sum = _mm512_cvtepi32_ps(dots);
-          if constexpr (TWO_PARTS) {
-            const __m512i low = _mm512_dpbusd_epi32(_mm512_setzero_si512(), weights,
-                                                    _mm512_loadu_si512(x[r].q2 + c));
-            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(1.0f / 254.0f), sum);
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i isum[ROWS][NB][kParts][2];
+      for (int r = 0; r < ROWS; ++r)
+        for (int n = 0; n < NB; ++n)
+          for (int p = 0; p < kParts; ++p) isum[r][n][p][0] = isum[r][n][p][1] = _mm512_setzero_si512();
+      const int64_t col = g * G;
+      if constexpr (BITS == 4) {
+        for (int64_t j = 0; j < G / 8; ++j) {
+          __m512i low[NB], high[NB];
+          for (int n = 0; n < NB; ++n) {
+            const __m512i v = _mm512_loadu_si512(codes + ((b + n) * groups + g) * group_bytes + 64 * j);
+            low[n] = _mm512_and_si512(v, nibble);
+            high[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
           }
-          const __m512 scale = _mm512_permutexvar_ps(index, lane_scales[r]);
-          *row_acc[r] = _mm512_fmadd_ps(sum, scale, *row_acc[r]);
+          for (int r = 0; r < ROWS; ++r) {
+            for (int p = 0; p < kParts; ++p) {
+              const int8_t* q = p == 0 ? x[r].q : x[r].q2;
+              const __m512i qa = broadcast4(q + col + 4 * j), qb = broadcast4(q + col + 4 * (j + G / 8));
+              for (int n = 0; n < NB; ++n) {
+                isum[r][n][p][0] = _mm512_dpbusd_epi32(isum[r][n][p][0], low[n], qa);
+                isum[r][n][p][1] = _mm512_dpbusd_epi32(isum[r][n][p][1], high[n], qb);
+              }
+            }
+          }
         }
-      };
-      __m512* first[ROWS];
-      __m512* second[ROWS];
-      for (int r = 0; r < ROWS; ++r) {
-        first[r] = &acc[r][0];
-        second[r] = &acc[r][kAcc - 1];
+      } else {
+        for (int64_t j = 0; j < G / 4; ++j) {
+          __m512i w[NB];
+          for (int n = 0; n < NB; ++n) w[n] = _mm512_loadu_si512(codes + ((b + n) * groups + g) * group_bytes + 64 * j);
+          for (int r = 0; r < ROWS; ++r) {
+            for (int p = 0; p < kParts; ++p) {
+              const __m512i qa = broadcast4((p == 0 ? x[r].q : x[r].q2) + col + 4 * j);
+              for (int n = 0; n < NB; ++n) isum[r][n][p][j & 1] = _mm512_dpbusd_epi32(isum[r][n][p][j & 1], w[n], qa);
+            }
+          }
+        }
       }
-      int64_t c = start;
-      for (; c + kChunk < end; c += 2 * kChunk) {
-        chunk(c, first);
-        chunk(c + kChunk, second);
+      for (int n = 0; n < NB; ++n) {
+        const __m512 s = load(scales + ((b + n) * groups + g) * kLanes, kLanes);
+        const __m512 o = load(offsets + ((b + n) * groups + g) * kLanes, kLanes);
+        for (int r = 0; r < ROWS; ++r) {
+          __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r][n][0][0], isum[r][n][0][1]));
+          if constexpr (TWO_PARTS) {
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r][n][1][0], isum[r][n][1][1]));
+            sum = _mm512_fmadd_ps(low, _mm512_set1_ps(1.0f / 254.0f), sum);
+          }
+          acc[r][n] = _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(x[r].d[g])), s, acc[r][n]);
+          acc[r][n] = _mm512_fmadd_ps(o, _mm512_set1_ps(x[r].sums[g]), acc[r][n]);
+        }
       }
-      if (c < end) chunk(c, first);
     }
-    for (int r = 0; r < ROWS; ++r) {
-      __m512 total = acc[r][0];
-      for (int k = 1; k < kAcc; ++k) total = _mm512_add_ps(total, acc[r][k]);
-      out[r * out_stride + n - n_begin] = _mm512_reduce_add_ps(total);
-    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int n = 0; n < NB; ++n) _mm512_storeu_ps(out + r * out_stride + (b + n - b_begin) * kLanes, acc[r][n]);
+  }
+  if constexpr (NB > 1) {  // the last blocks, one at a time
+    if (b < b_end)
+      gemv_blocks<ROWS, 1, TWO_PARTS, BITS, S>(x, codes, scales, offsets, b, b_end, groups, G,
+                                               out + (b - b_begin) * kLanes, out_stride);
   }
 }
 
 template <typename S>
-using GemvFn = void (*)(const QuantizedRow*, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t,
-                        int64_t, int, const __m512i*, float*, int64_t);
+using GemvFn = void (*)(const QuantizedRow*, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t, int64_t,
+                        float*, int64_t);
+
+// Two blocks at a time while one or two rows leave registers for them.
+template <int ROWS, bool TWO, typename S>
+GemvFn<S> gemv_for(int64_t bits) {
+  constexpr int NB = ROWS <= 2 ? 2 : 1;
+  return bits == 8 ? gemv_blocks<ROWS, NB, TWO, 8, S> : gemv_blocks<ROWS, NB, TWO, 4, S>;
+}
+
 template <bool TWO, typename S>
-constexpr GemvFn<S> kGemvFor[kMaxRows] = {gemv_rows<1, TWO, S>, gemv_rows<2, TWO, S>, gemv_rows<3, TWO, S>,
-                                          gemv_rows<4, TWO, S>, gemv_rows<5, TWO, S>, gemv_rows<6, TWO, S>,
-                                          gemv_rows<7, TWO, S>, gemv_rows<8, TWO, S>};
+GemvFn<S> select_gemv(int64_t rows, int64_t bits) {
+  switch (rows) {
+    case 1: return gemv_for<1, TWO, S>(bits);
+    case 2: return gemv_for<2, TWO, S>(bits);
+    case 3: return gemv_for<3, TWO, S>(bits);
+    default: return gemv_for<4, TWO, S>(bits);
+  }
+}
 
 template <typename T>
 void store_rows(const float* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t rows, int64_t begin,
@@ -183,76 +195,81 @@ void store_rows(const float* src, int64_t src_stride, T* dst, int64_t dst_stride
 template <typename X, typename S>
 void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
          int64_t bits, int64_t G, bool two_parts, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  const int64_t k_padded = (K + kChunk - 1) / kChunk * kChunk;
-  const int64_t groups_padded = (K / G + 15) / 16 * 16;
-  std::vector<int8_t> q(M * k_padded, 0), q2(two_parts ? M * k_padded : 0, 0);
-  std::vector<float> d(M * groups_padded, 0.0f), sums(M * groups_padded, 0.0f);
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  const int64_t groups = K / G, blocks = codes.size(0);
+  std::vector<int8_t> q(M * K), q2(two_parts ? M * K : 0);
+  std::vector<float> d(M * groups), sums(M * groups);
   std::vector<QuantizedRow> rows(M);
   for (int64_t m = 0; m < M; ++m) {
-    rows[m] = {q.data() + m * k_padded, two_parts ? q2.data() + m * k_padded : nullptr,
-               d.data() + m * groups_padded, sums.data() + m * groups_padded};
+    rows[m] = {q.data() + m * K, two_parts ? q2.data() + m * K : nullptr, d.data() + m * groups,
+               sums.data() + m * groups};
     quantize_row(x.data_ptr<X>() + m * K, K, G, rows[m]);
-  }
-  const GemvFn<S>* gemv = two_parts ? kGemvFor<true, S> : kGemvFor<false, S>;
-  // lane l of chunk i of a 16-group block takes group (64 i + 4 l) / G of the block
-  const int64_t chunks_per_block = 16 * G / kChunk;
-  std::vector<__m512i> lane_index(chunks_per_block);
-  for (int64_t i = 0; i < chunks_per_block; ++i) {
-    alignas(64) int32_t lanes[16];
-    for (int l = 0; l < 16; ++l) lanes[l] = static_cast<int32_t>((kChunk * i + 4 * l) / G);
-    lane_index[i] = _mm512_load_si512(lanes);
   }
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
   const S* scale_ptr = scales.data_ptr<S>();
   const S* offset_ptr = offsets.data_ptr<S>();
-  const bool float_out = out.scalar_type() == at::kFloat;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> local(float_out ? 0 : kMaxRows * (end - begin));
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const int64_t count = std::min(kMaxRows, M - m);
-      if (float_out) {
-        gemv[count - 1](rows.data() + m, code_ptr, scale_ptr, offset_ptr, begin, end, K, G,
-                            static_cast<int>(bits), lane_index.data(), out.data_ptr<float>() + m * N + begin, N);
-        continue;
-      }
-      gemv[count - 1](rows.data() + m, code_ptr, scale_ptr, offset_ptr, begin, end, K, G,
-                          static_cast<int>(bits), lane_index.data(), local.data(), end - begin);
-      if (out.scalar_type() == at::kBFloat16) {
-        store_rows(local.data(), end - begin, out.data_ptr<c10::BFloat16>() + m * N, N, count, begin, end);
-      } else {
-        store_rows(local.data(), end - begin, out.data_ptr<c10::Half>() + m * N, N, count, begin, end);
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    const int64_t width = (end - begin) * kLanes, n_end = std::min(N, end * kLanes);
+    std::vector<float> local(kPassRows * width);
+    for (int64_t m = 0; m < M; m += kPassRows) {
+      const int64_t count = std::min(kPassRows, M - m);
+      const GemvFn<S> gemv = two_parts ? select_gemv<true, S>(count, bits) : select_gemv<false, S>(count, bits);
+      gemv(rows.data() + m, code_ptr, scale_ptr, offset_ptr, begin, end, groups, G, local.data(), width);
+      switch (out.scalar_type()) {
+        case at::kFloat:
+          store_rows(local.data(), width, out.data_ptr<float>() + m * N, N, count, begin * kLanes, n_end);
+          break;
+        case at::kBFloat16:
+          store_rows(local.data(), width, out.data_ptr<c10::BFloat16>() + m * N, N, count, begin * kLanes, n_end);
+          break;
+        default:
+          store_rows(local.data(), width, out.data_ptr<c10::Half>() + m * N, N, count, begin * kLanes, n_end);
       }
     }
   });
 }
 
-template <typename X>
-void run_for_scales(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                    const at::Tensor& offsets, int64_t bits, int64_t G, bool two_parts, at::Tensor& out) {
-  if (scales.scalar_type() == at::kHalf) {
-    run<X, c10::Half>(x, codes, scales, offsets, bits, G, two_parts, out);
-  } else {
-    run<X, float>(x, codes, scales, offsets, bits, G, two_parts, out);
-  }
-}
-
 #endif  // __AVX512VNNI__
 
+void check_interleaved(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& offsets, int64_t bits, int64_t G, int64_t N) {
+  TORCH_CHECK(x.dim() == 2, "x must be a [M, K] matrix");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(G % 16 == 0 && G > 0, "the group size must be a multiple of 16");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % G == 0, "K must be a multiple of the group size");
+  const int64_t blocks = (N + kLanes - 1) / kLanes;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
+                  codes.size(0) == blocks && codes.size(1) == K / G && codes.size(2) == kLanes * G * bits / 8,
+              "codes must be contiguous uint8 [ceil(N / 16), K / G, 16 G bits / 8]");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == K / G && scales.size(2) == kLanes,
+              "scales must be contiguous float32 or float16 [ceil(N / 16), K / G, 16]");
+  TORCH_CHECK(offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous() &&
+                  offsets.sizes() == scales.sizes(), "offsets must be like scales");
+}
+
 at::Tensor quant_gemv_q8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& offsets, int64_t bits, int64_t group_size, bool two_parts) {
+                         const at::Tensor& offsets, int64_t bits, int64_t group_size, int64_t N, bool two_parts) {
 #if defined(__AVX512VNNI__)
-  tokenmill_quant::check_arguments(x_in, codes, scales, offsets, bits, group_size);
-  const int64_t M = x_in.size(0), N = codes.size(0);
+  check_interleaved(x_in, codes, scales, offsets, bits, group_size, N);
   const at::Tensor x = x_in.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({x.size(0), N}, x.options());
+  const bool half_scales = scales.scalar_type() == at::kHalf;
   switch (x.scalar_type()) {
-    case at::kFloat: run_for_scales<float>(x, codes, scales, offsets, bits, group_size, two_parts, out); break;
-    case at::kBFloat16:
-      run_for_scales<c10::BFloat16>(x, codes, scales, offsets, bits, group_size, two_parts, out);
+    case at::kFloat:
+      half_scales ? run<float, c10::Half>(x, codes, scales, offsets, bits, group_size, two_parts, out)
+                  : run<float, float>(x, codes, scales, offsets, bits, group_size, two_parts, out);
       break;
-    case at::kHalf: run_for_scales<c10::Half>(x, codes, scales, offsets, bits, group_size, two_parts, out); break;
-    default: TORCH_CHECK(false, "x must be float32, bfloat16 or float16");
+    case at::kBFloat16:
+      half_scales ? run<c10::BFloat16, c10::Half>(x, codes, scales, offsets, bits, group_size, two_parts, out)
+                  : run<c10::BFloat16, float>(x, codes, scales, offsets, bits, group_size, two_parts, out);
+      break;
+    default:
+      half_scales ? run<c10::Half, c10::Half>(x, codes, scales, offsets, bits, group_size, two_parts, out)
+                  : run<c10::Half, float>(x, codes, scales, offsets, bits, group_size, two_parts, out);
   }
   return out;
 #else
@@ -263,7 +280,7 @@ at::Tensor quant_gemv_q8(const at::Tensor& x_in, const at::Tensor& codes, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("quant_gemv_q8(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, "
+  m.def("quant_gemv_q8(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, int rows, "
         "bool two_parts=False) -> Tensor");
 }
 

@@ -1,0 +1,123 @@
+"""The few-row decode step of a DecoderForCausalLM as one flat loop over bound kernel calls.
+
+At decode with a handful of sequences every matrix is small, and the ~10 kernel calls a layer
+makes each come with a few microseconds of Python: module calls, the checks that pick a path,
+views. On the default model that was ~1.6 ms of a ~6 ms forward (one stream). A DecodePlan
+makes those choices once, when it is built, and keeps per layer only what the calls need: the
+CPU's stand-in for capturing a step in a CUDA graph. It computes what DecoderForCausalLM.forward
+computes, with the same kernels in the same order (tests compare the two bit for bit), for CPU
+decode steps of at most GEMV_MAX_ROWS sequences on our kernels; every other step takes the
+model's forward. Linears other than interleaved quantized ones (dense, tensor-parallel) are
+called as the modules they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenmill.layers.attention import AttentionContext
+from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket
+from tokenmill.layers.cpu_kernels import kernels_available
+from tokenmill.layers.linear import silu_and_mul
+from tokenmill.layers.quantized import GEMV_MAX_ROWS, InterleavedWeight, QuantizedLinear
+from tokenmill.models.llama import DecoderForCausalLM
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerPlan:
+    """One decoder layer: its weights and caches, its linears as plain callables."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    gate_up_is_kernel: bool  # gate_up's output goes to the fused SiLU op (else the module fuses it)
+    gate_up_module: nn.Module
+    q_norm: nn.Module | None  # Qwen3's per-head norms
+    k_norm: nn.Module | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def _bound_linear(module: nn.Module) -> tuple[Linear, bool]:
+    """(a callable computing module(x) for few rows, whether it is the bare kernel call)."""
+    if not (isinstance(module, QuantizedLinear) and isinstance(module.qweight, InterleavedWeight)
+            and module.activation_bits is not None):
+        return module, False
+    w, two_parts, bias = module.qweight, module.activation_bits == 16, module.bias
+    op = torch.ops.tokenmill.quant_gemv_q8.default
+    if bias is None:
+        return (lambda x: op(x, w.codes, w.scales, w.offsets, w.bits, w.group_size, w.num_rows, two_parts)), True
+    return (lambda x: op(x, w.codes, w.scales, w.offsets, w.bits, w.group_size, w.num_rows, two_parts) + bias), True
+
+
+class DecodePlan:
+    """model's forward for few-row decode steps on the CPU kernels (see the module docstring)."""
+
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.model = model
+        first = model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.scale = first.scale
+        self.eps = model.layers[0].input_layernorm.eps
+        self.layers = []
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            gate_up, gate_up_is_kernel = _bound_linear(mlp.gate_up_proj)
+            self.layers.append(LayerPlan(
+                input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+                qkv=_bound_linear(attn.qkv_proj)[0], o=_bound_linear(attn.o_proj)[0], gate_up=gate_up,
+                down=_bound_linear(mlp.down_proj)[0], gate_up_is_kernel=gate_up_is_kernel,
+                gate_up_module=mlp.gate_up_proj, q_norm=attn.q_norm, k_norm=attn.k_norm,
+                k_cache=k_cache, v_cache=v_cache))
+
+    @staticmethod
+    def applies(backend: object) -> bool:
+        """Whether a plan can run decode steps with this attention backend: the CPU kernels' own."""
+        return kernels_available() and isinstance(backend, CpuPagedAttention)
+
+    @staticmethod
+    def covers(input_ids: torch.Tensor, ctx: AttentionContext) -> bool:
+        """Whether this step is one the plan runs: decode only, at most GEMV_MAX_ROWS sequences."""
+        metadata = ctx.metadata
+        return (metadata.prefill is None and isinstance(metadata.decode, KernelDecodeBucket)
+                and input_ids.shape[0] <= GEMV_MAX_ROWS)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden], as model(input_ids, positions, ctx)."""
+        ops = torch.ops.tokenmill
+        rms_norm, add_rms_norm, fused_silu = ops.rms_norm.default, ops.add_rms_norm_.default, ops.silu_and_mul.default
+        num_heads, num_kv_heads, head_dim, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        backend, metadata = ctx.backend, ctx.metadata
+        x = self.model.embed_tokens(input_ids)
+        num_tokens = x.shape[0]
+        rope = self.model.rotary.step(positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            if residual is None:
+                residual, h = x, rms_norm(x, layer.input_norm, eps)
+            else:
+                h = add_rms_norm(x, residual, layer.input_norm, eps)
+            qkv = layer.qkv(h)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+            if layer.q_norm is None:
+                qk = rope.rotate(qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim))
+                q, k = qk[:, :num_heads], qk[:, num_heads:]
+            else:
+                q = layer.q_norm(qkv[:, :q_size].view(num_tokens, num_heads, head_dim))
+                k = layer.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim))
+                q, k = rope.rotate(q), rope.rotate(k)
+            out = backend.forward(q, k, v, layer.k_cache, layer.v_cache, metadata, self.scale)
+            h = add_rms_norm(layer.o(out), residual, layer.post_norm, eps)
+            gated = fused_silu(layer.gate_up(h)) if layer.gate_up_is_kernel else silu_and_mul(layer.gate_up_module, h)
+            x = layer.down(gated)
+        return self.model.norm(x, residual)
