@@ -142,3 +142,20 @@ def test_kernel_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
         torch.ops.tokenmill.paged_decode_qk(q, cache, torch.zeros(2, 1, dtype=torch.int64),
                                             torch.ones(2, dtype=torch.int64), 1.0, 16)
+
+
+def test_decode_only_metadata_equals_the_general_paths():
+    geometry = CacheGeometry(block_size=16, num_blocks=40, num_kv_heads=3, num_query_groups=3, head_dim=64,
+                             dtype=torch.bfloat16, device=torch.device("cpu"))
+    backend = CpuPagedAttention()
+    context_lens = [0, 15, 16, 47, 200]
+    block_tables = [[7], [3], [5, 9], [1, 2, 4], [i + 20 for i in range(13)]]
+    fast = backend.build_metadata([1] * 5, context_lens, block_tables, geometry)
+    general = TorchPagedAttention.build_metadata(backend, [1] * 5, context_lens, block_tables, geometry)
+    for name in ("positions", "write_index"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    assert torch.equal(fast.slots, general.write_index[:5])
+    assert fast.num_tokens == general.num_tokens and fast.prefill is None and general.prefill is None
+    for name in ("token_index", "block_table", "seq_lens"):
+        assert torch.equal(getattr(fast.decode, name), getattr(general.decode, name)), name
+    assert fast.decode.context_len == general.decode.context_len and fast.decode.covers_batch

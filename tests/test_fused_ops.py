@@ -80,6 +80,22 @@ def test_silu_and_mul(dtype, monkeypatch):
     torch.testing.assert_close(fused, activation.silu_and_mul(x), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 1000, 49152])
+def test_argmax_rows_is_torchs_argmax_ties_and_nans_included(cols):
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randint(-3, 4, (6, cols), generator=gen).float()  # many equal maxima: the first one wins
+    x[1] = float("-inf")
+    x[2, cols // 2] = float("nan")  # NaN counts as the largest, as in torch.argmax
+    x[3, -1] = float("nan")
+    x[3, 0] = float("nan")
+    x[4] = torch.randn(cols, generator=gen)
+    x[5, cols - 1] = 100.0  # the masked tail of the last vector
+    got = torch.ops.tokenmill.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+    strided = torch.randn(4, 2 * cols, generator=gen)[:, :cols]  # rows of a wider tensor
+    assert torch.equal(torch.ops.tokenmill.argmax_rows(strided), strided.argmax(dim=-1))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_write_matches_the_pytorch_backend_through_decode(dtype):
     """Keys written by write_kv (column layout) and read by the kernel give PyTorch's attention."""

@@ -59,9 +59,33 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def build_metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                        geometry: CacheGeometry) -> CpuAttentionMetadata:
+        if all(n == 1 for n in query_lens):
+            return self._decode_metadata(context_lens, block_tables, geometry)
         common = super().build_metadata(query_lens, context_lens, block_tables, geometry)
         # head 0's cache rows are the slots themselves
         return CpuAttentionMetadata(**vars(common), slots=common.write_index[: common.num_tokens].contiguous())
+
+    def _decode_metadata(self, context_lens: list[int], block_tables: list[list[int]],
+                         geometry: CacheGeometry) -> CpuAttentionMetadata:
+        """A decode-only step, built from Python ints: StepLayout's two dozen small tensor ops cost
+        ~0.3 ms, most of the bookkeeping of a one-stream step. The same values as the general path."""
+        block_size, batch = geometry.block_size, len(context_lens)
+        slots = [table[pos // block_size] * block_size + pos % block_size
+                 for table, pos in zip(block_tables, context_lens)]
+        num_blocks = max(context_lens) // block_size + 1  # covers every sequence and its new token
+        table = [t[:num_blocks] + [t[0]] * (num_blocks - len(t[:num_blocks])) for t in block_tables]
+        head_rows = geometry.num_blocks * block_size
+        write_index = [head * head_rows + slot for head in range(geometry.num_kv_heads) for slot in slots]
+        bucket = KernelDecodeBucket(
+            token_index=torch.arange(batch),
+            covers_batch=True,
+            block_table=torch.tensor(table, dtype=torch.int64),
+            seq_lens=torch.tensor([pos + 1 for pos in context_lens], dtype=torch.int64),
+            context_len=num_blocks * block_size,
+        )
+        return CpuAttentionMetadata(positions=torch.tensor(context_lens, dtype=torch.int64),
+                                    write_index=torch.tensor(write_index, dtype=torch.int64), num_tokens=batch,
+                                    decode=bucket, prefill=None, slots=torch.tensor(slots, dtype=torch.int64))
 
     def _decode_bucket(self, step: StepLayout, members: torch.Tensor,
                        geometry: CacheGeometry) -> KernelDecodeBucket:

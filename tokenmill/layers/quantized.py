@@ -77,9 +77,10 @@ class QuantizedWeight:
         return unpack_nibbles(self.codes, self.shape[1]) if self.bits == 4 else self.codes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        u = self.unpacked_codes().float().view(self.shape[0], -1, self.group_size)
-        scales, offsets = self.scales.float()[..., None], self.offsets.float()[..., None]
-        return torch.addcmul(offsets, u, scales).view(self.shape).to(dtype)
+        return _dequantize(self.unpacked_codes(), self.scales, self.offsets, self.group_size, dtype)
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.rows(ids).dequantize(dtype)
 
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
         """The weight of the selected output rows (llama.cpp's Q/K permutation, tensor-parallel shards)."""
@@ -148,22 +149,37 @@ class InterleavedWeight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
 
     def rows(self, index: torch.Tensor | slice) -> QuantizedWeight:
-        """The selected output rows, in the row layout (embedding lookups of a tied head)."""
+        """The selected output rows, in the row layout."""
+        return QuantizedWeight.from_codes(*self._row_parts(index), self.bits, self.group_size)
+
+    def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The selected rows' weights [len(ids), K] (embedding lookups of a tied head)."""
+        u, scales, offsets = self._row_parts(ids)
+        return _dequantize(u, scales, offsets, self.group_size, dtype)
+
+    def _row_parts(self, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unpacked codes [T, K], scales and offsets [T, K / G] of the selected rows."""
         ids = torch.arange(self.num_rows)[index] if isinstance(index, slice) else index
         block, lane = ids // LANES, ids % LANES
         blocks, groups, _ = self.codes.shape
         quads = self.codes.view(blocks, groups, -1, LANES, 4).permute(0, 3, 1, 2, 4)[block, lane]  # [T, groups, q, 4]
         if self.bits == 4:
             quads = torch.cat([quads & 0xF, quads >> 4], dim=2)
-        u = quads.reshape(len(ids), -1)
         scales, offsets = (t.transpose(1, 2)[block, lane] for t in (self.scales, self.offsets))
-        return QuantizedWeight.from_codes(u, scales, offsets, self.bits, self.group_size)
+        return quads.reshape(len(ids), -1), scales, offsets
 
     def to_rows(self) -> QuantizedWeight:
         return self.rows(slice(None))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.to_rows().dequantize(dtype)
+
+
+def _dequantize(u: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Weights [N, K] from unpacked codes [N, K] and scales/offsets [N, K / group_size]."""
+    grouped = u.float().view(u.shape[0], -1, group_size)
+    return torch.addcmul(offsets.float()[..., None], grouped, scales.float()[..., None]).view(u.shape).to(dtype)
 
 
 def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
@@ -310,7 +326,7 @@ class QuantizedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = qweight.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight.rows(ids).dequantize(self.dtype)
+        return self.qweight.dequantize_rows(ids, self.dtype)
 
 
 def interleave_weights(model: nn.Module) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.layers.cpu_kernels import kernels_available
 from tokenmill.outputs import SampledToken
 from tokenmill.sampling_params import SamplingParams
 
@@ -114,6 +115,17 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, specs: list[SamplingSpec]) -
     return logits
 
 
+def argmax(rows: torch.Tensor) -> torch.Tensor:
+    """rows.argmax(-1) for float32 [B, V]; our kernel on the CPU (ATen's takes ~90 us a row of a
+    49k vocabulary, ~3 ms a step at batch 64)."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and _argmax_kernel_available():
+        return torch.ops.tokenmill.argmax_rows.default(rows)
+    return rows.argmax(dim=-1)
+
+
+_argmax_kernel_available = kernels_available  # a name of this module's own, for tests to switch off
+
+
 def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[SampledToken]:
     """logits: [B, V] float32 raw model logits, one row per spec."""
     device = logits.device
@@ -125,7 +137,7 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[SampledToken
         logits = _apply_penalties(logits, specs)
 
     is_greedy = [s.params.is_greedy for s in specs]
-    token_ids = logits.argmax(dim=-1)
+    token_ids = argmax(logits)
     if not all(is_greedy):
         rows = torch.tensor([i for i, g in enumerate(is_greedy) if not g], device=device)
         random_specs = [s for s in specs if not s.params.is_greedy]
@@ -134,7 +146,7 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[SampledToken
         seeds = torch.tensor([s.seed for s in random_specs], dtype=torch.int64, device=device)
         counters = torch.tensor([len(s.output_token_ids) for s in random_specs], dtype=torch.int64, device=device)
         noisy = scaled.log_softmax(dim=-1) + gumbel_noise(seeds, counters, logits.shape[1])
-        token_ids = token_ids.index_put((rows,), noisy.argmax(dim=-1))
+        token_ids = token_ids.index_put((rows,), argmax(noisy))
 
     if raw_logprobs is None:
         return [SampledToken(int(t)) for t in token_ids.tolist()]

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -104,13 +105,25 @@ __attribute__((always_inline)) inline void scores16(const T* column, int64_t n, 
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q);  // (q[2d], q[2d+1]) per 32-bit word
-    for (int64_t d = 0; d < head_dim / 2; ++d) {
-      const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi32(valid, column + d * block_size * 2);
+    __m512 odd[kMaxGroups];  // odd pairs in a second chain: each multiply-add waits on its own
 #pragma GCC unroll 8
-      for (int64_t h = 0; h < kMaxGroups; ++h)
-        if (h < groups)
-          acc[h] = _mm512_dpbf16_ps(acc[h], k, (__m512bh)_mm512_set1_epi32(static_cast<int>(q_pairs[h * head_dim / 2 + d])));
+    for (int64_t h = 0; h < kMaxGroups; ++h)
+      if (h < groups) odd[h] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim / 2; d += 2) {  // head_dim / 2 is even: head_dim is a multiple of 16
+      const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi32(valid, column + d * block_size * 2);
+      const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi32(valid, column + (d + 1) * block_size * 2);
+#pragma GCC unroll 8
+      for (int64_t h = 0; h < kMaxGroups; ++h) {
+        if (h < groups) {
+          const uint32_t* qh = q_pairs + h * head_dim / 2 + d;
+          acc[h] = _mm512_dpbf16_ps(acc[h], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qh[0])));
+          odd[h] = _mm512_dpbf16_ps(odd[h], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qh[1])));
+        }
+      }
     }
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < kMaxGroups; ++h)
+      if (h < groups) acc[h] = _mm512_add_ps(acc[h], odd[h]);
     return;
   }
 #endif
@@ -147,34 +160,38 @@ inline void for_each_run(const Geometry& g, const T* cache, const int64_t* block
   }
 }
 
+// Scores of one (sequence, kv head) item for its group's query heads: out0[h * stride + t] =
+// scale * q[head0 + h] . K[t] for t < len, -inf from len to context.
+template <typename T>
+void qk_item(const Geometry& g, const T* q_ptr, const T* k_ptr, const int64_t* table, int64_t b, int64_t kv,
+             int64_t len, float scale, float* out0, int64_t stride) {
+  const int64_t block_elems = g.block_size * g.head_dim;
+  const int64_t head0 = b * g.num_heads + kv * g.groups;
+  const T* cache = k_ptr + kv * g.num_blocks * block_elems;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for_each_run(g, cache, table + b * g.max_blocks, len, [&](const T* block, int64_t r0, int64_t t0, int64_t n) {
+    __m512 acc[kMaxGroups];
+    scores16(block + r0 * 2, n, g.block_size, q_ptr + head0 * g.head_dim, g.groups, g.head_dim, acc);
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < kMaxGroups; ++h)
+      if (h < g.groups) _mm512_mask_storeu_ps(out0 + h * stride + t0, keep, _mm512_mul_ps(acc[h], scale_v));
+  });
+  for (int64_t h = 0; h < g.groups; ++h)
+    std::fill(out0 + h * stride + len, out0 + h * stride + g.context, -std::numeric_limits<float>::infinity());
+}
+
 template <typename T>
 void qk_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_tables,
                const at::Tensor& seq_lens, float scale, at::Tensor& scores) {
   const Geometry g = geometry_of(k_cache, block_tables, q.size(0), q.size(1), scores.size(2));
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const int64_t* table = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  float* out = scores.data_ptr<float>();
-  const int64_t block_elems = g.block_size * g.head_dim;
-  const __m512 scale_v = _mm512_set1_ps(scale);
   at::parallel_for(0, g.batch * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / g.num_kv_heads, kv = item % g.num_kv_heads;
-      const int64_t head0 = b * g.num_heads + kv * g.groups;
-      float* out0 = out + head0 * g.context;
-      const int64_t len = std::min(lens[b], g.context);
-      const T* cache = k_ptr + kv * g.num_blocks * block_elems;
-      for_each_run(g, cache, table + b * g.max_blocks, len, [&](const T* block, int64_t r0, int64_t t0, int64_t n) {
-        __m512 acc[kMaxGroups];
-        scores16(block + r0 * 2, n, g.block_size, q_ptr + head0 * g.head_dim, g.groups, g.head_dim, acc);
-        const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-#pragma GCC unroll 8
-        for (int64_t h = 0; h < kMaxGroups; ++h)
-          if (h < g.groups) _mm512_mask_storeu_ps(out0 + h * g.context + t0, keep, _mm512_mul_ps(acc[h], scale_v));
-      });
-      for (int64_t h = 0; h < g.groups; ++h)
-        std::fill(out0 + h * g.context + len, out0 + (h + 1) * g.context, -std::numeric_limits<float>::infinity());
+      float* out0 = scores.data_ptr<float>() + (b * g.num_heads + kv * g.groups) * g.context;
+      qk_item(g, q.data_ptr<T>(), k_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(), b, kv,
+              std::min(lens[b], g.context), scale, out0, g.context);
     }
   });
 }
@@ -255,49 +272,51 @@ inline void unpermute_pairs(const __m512* acc, int64_t head_dim, float* dst) {
 }
 #endif
 
+// out[head0 + h] = sum_t p0[h * stride + t] V[t] over the first len tokens of one (sequence, kv head) item.
+template <typename T>
+void pv_item(const Geometry& g, const float* p0, int64_t stride, const T* v_ptr, const int64_t* table, int64_t b,
+             int64_t kv, int64_t len, T* o_ptr) {
+  const int64_t block_elems = g.block_size * g.head_dim;
+  const int64_t head0 = b * g.num_heads + kv * g.groups;
+  constexpr bool direct = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  alignas(64) float acc[kMaxGroups * (kMaxHeadDim + 32)];  // direct: [groups][chunks][2] vectors
+  alignas(64) float rows_float[kRows * kMaxHeadDim];
+  alignas(64) float plain[kMaxHeadDim];
+  std::fill(acc, acc + g.groups * (g.head_dim + 32), 0.f);
+  const T* cache = v_ptr + kv * g.num_blocks * block_elems;
+  for_each_run(g, cache, table + b * g.max_blocks, len, [&](const T* block, int64_t r0, int64_t t0, int64_t n) {
+#if defined(__AVX512BF16__)
+    if constexpr (direct) {
+      pv_rows_bf16(block + r0 * g.head_dim, n, p0 + t0, stride, g.groups, g.head_dim, reinterpret_cast<__m512*>(acc));
+      return;
+    }
+#endif
+    pv_rows_float(block + r0 * g.head_dim, n, p0 + t0, stride, g.groups, g.head_dim, acc, rows_float);
+  });
+  for (int64_t h = 0; h < g.groups; ++h) {
+    const float* sums = acc + h * g.head_dim;
+#if defined(__AVX512BF16__)
+    if constexpr (direct) {
+      const int64_t chunks = (g.head_dim + 31) / 32;
+      unpermute_pairs(reinterpret_cast<const __m512*>(acc) + h * chunks * 2, g.head_dim, plain);
+      sums = plain;
+    }
+#endif
+    store_row(o_ptr + (head0 + h) * g.head_dim, sums, g.head_dim);
+  }
+}
+
 template <typename T>
 void pv_kernel(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& block_tables,
                const at::Tensor& seq_lens, at::Tensor& out) {
   const Geometry g = geometry_of(v_cache, block_tables, probs.size(0), probs.size(1), probs.size(2));
-  const float* p_ptr = probs.data_ptr<float>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  const int64_t* table = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  T* o_ptr = out.data_ptr<T>();
-  const int64_t block_elems = g.block_size * g.head_dim;
-  constexpr bool direct = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
   at::parallel_for(0, g.batch * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMaxGroups * (kMaxHeadDim + 32)];  // direct: [groups][chunks][2] vectors
-    alignas(64) float rows_float[kRows * kMaxHeadDim];
-    alignas(64) float plain[kMaxHeadDim];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / g.num_kv_heads, kv = item % g.num_kv_heads;
-      const int64_t head0 = b * g.num_heads + kv * g.groups;
-      std::fill(std::begin(acc), std::end(acc), 0.f);
-      const float* p0 = p_ptr + head0 * g.context;
-      const int64_t len = std::min(lens[b], g.context);
-      const T* cache = v_ptr + kv * g.num_blocks * block_elems;
-      for_each_run(g, cache, table + b * g.max_blocks, len, [&](const T* block, int64_t r0, int64_t t0, int64_t n) {
-#if defined(__AVX512BF16__)
-        if constexpr (direct) {
-          pv_rows_bf16(block + r0 * g.head_dim, n, p0 + t0, g.context, g.groups, g.head_dim,
-                       reinterpret_cast<__m512*>(acc));
-          return;
-        }
-#endif
-        pv_rows_float(block + r0 * g.head_dim, n, p0 + t0, g.context, g.groups, g.head_dim, acc, rows_float);
-      });
-      for (int64_t h = 0; h < g.groups; ++h) {
-        const float* sums = acc + h * g.head_dim;
-#if defined(__AVX512BF16__)
-        if constexpr (direct) {
-          const int64_t chunks = (g.head_dim + 31) / 32;
-          unpermute_pairs(reinterpret_cast<const __m512*>(acc) + h * chunks * 2, g.head_dim, plain);
-          sums = plain;
-        }
-#endif
-        store_row(o_ptr + (head0 + h) * g.head_dim, sums, g.head_dim);
-      }
+      const float* p0 = probs.data_ptr<float>() + (b * g.num_heads + kv * g.groups) * g.context;
+      pv_item(g, p0, g.context, v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(), b, kv,
+              std::min(lens[b], g.context), out.data_ptr<T>());
     }
   });
 }
@@ -330,42 +349,63 @@ at::Tensor paged_decode_pv(const at::Tensor& probs, const at::Tensor& v_cache, c
   return out;
 }
 
-// Softmax in place over each row's first len = min(seq_lens[b], context) scores (the rest, -inf,
-// become 0). scores: [batch, heads, context].
-void softmax_rows(at::Tensor& scores, const at::Tensor& seq_lens) {
-  const int64_t heads = scores.size(1), context = scores.size(2);
-  float* base = scores.data_ptr<float>();
+// Softmax in place over a row's first len scores; the rest, up to context, become 0.
+void softmax_row(float* s, int64_t len, int64_t context) {
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < len; t += 16)
+    top = _mm512_mask_max_ps(top, tokenmill_vec::first(len - t), top, _mm512_loadu_ps(s + t));
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t);
+    const __m512 e = tokenmill_vec::exp(_mm512_sub_ps(tokenmill_vec::load(s + t, n), max));
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tokenmill_vec::first(n), e));
+    tokenmill_vec::store(s + t, e, n);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  for (int64_t t = 0; t < len; t += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t);
+    tokenmill_vec::store(s + t, _mm512_mul_ps(tokenmill_vec::load(s + t, n), inverse), n);
+  }
+  std::fill(s + len, s + context, 0.0f);
+}
+
+// Scores, softmax and values per (sequence, kv head) item in one parallel region, the scores in
+// a buffer of the thread's own: a decode step calls this once per layer.
+template <typename T>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, float scale, int64_t context,
+                   at::Tensor& out) {
+  const Geometry g = geometry_of(k_cache, block_tables, q.size(0), q.size(1), context);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(), "v_cache must be like k_cache");
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  at::parallel_for(0, scores.size(0) * heads, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      float* s = base + row * context;
-      const int64_t len = std::min(lens[row / heads], context);
-      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < len; t += 16)
-        top = _mm512_mask_max_ps(top, tokenmill_vec::first(len - t), top, _mm512_loadu_ps(s + t));
-      const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; t += 16) {
-        const int64_t n = std::min<int64_t>(16, len - t);
-        const __m512 e = tokenmill_vec::exp(_mm512_sub_ps(tokenmill_vec::load(s + t, n), max));
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tokenmill_vec::first(n), e));
-        tokenmill_vec::store(s + t, e, n);
-      }
-      const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-      for (int64_t t = 0; t < len; t += 16) {
-        const int64_t n = std::min<int64_t>(16, len - t);
-        tokenmill_vec::store(s + t, _mm512_mul_ps(tokenmill_vec::load(s + t, n), inverse), n);
-      }
-      std::fill(s + len, s + context, 0.0f);
+  at::parallel_for(0, g.batch * g.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(g.groups * g.context);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / g.num_kv_heads, kv = item % g.num_kv_heads;
+      const int64_t len = std::min(lens[b], g.context);
+      qk_item(g, q.data_ptr<T>(), k_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(), b, kv, len, scale,
+              scores.data(), g.context);
+      for (int64_t h = 0; h < g.groups; ++h) softmax_row(scores.data() + h * g.context, len, g.context);
+      pv_item(g, scores.data(), g.context, v_cache.data_ptr<T>(), block_tables.data_ptr<int64_t>(), b, kv, len,
+              out.data_ptr<T>());
     }
   });
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t context) {
-  at::Tensor scores = paged_decode_qk(q, k_cache, block_tables, seq_lens, scale, context);
-  softmax_rows(scores, seq_lens);
-  return paged_decode_pv(scores, v_cache, block_tables, seq_lens);
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type() &&
+              v_cache.scalar_type() == k_cache.scalar_type(), "q: contiguous [batch, heads, head_dim], cache dtype");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens must be contiguous int64");
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, v_cache.options());
+  switch (q.scalar_type()) {
+    case at::kBFloat16: decode_kernel<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, context, out); break;
+    case at::kHalf: decode_kernel<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, scale, context, out); break;
+    case at::kFloat: decode_kernel<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, context, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out;
 }
 
 }  // namespace
