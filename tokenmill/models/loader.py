@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,18 +88,24 @@ def load_tokenizer(path: Path):
     """HF fast tokenizer (with chat template) from a model directory or a GGUF file; never runs remote code.
 
     Converting a GGUF's vocabulary takes transformers ~5 s (most of a start-up), so the result is
-    saved once under the cache directory, keyed by the file's path, size and modification time."""
-    from transformers import AutoTokenizer
-
+    saved once under the cache directory, keyed by the file's path, size and modification time.
+    That cache, which we wrote, is read back as the fast tokenizer it is, without AutoTokenizer:
+    importing the Auto classes costs ~0.5 s of every start."""
     try:
         if not path.is_file():
+            from transformers import AutoTokenizer
+
             return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         cached = converted_tokenizer_dir(path)
         if (cached / "tokenizer_config.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
             try:
-                return AutoTokenizer.from_pretrained(str(cached), trust_remote_code=False)
+                return PreTrainedTokenizerFast.from_pretrained(str(cached))
             except Exception as exc:  # a damaged cache entry: convert again
                 logger.warning("ignoring the cached tokenizer in %s: %s", cached, str(exc).splitlines()[0])
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     except Exception as exc:  # transformers raises many kinds (OSError, ValueError, KeyError...)
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
@@ -143,6 +150,20 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
         raise ModelLoadError(f"quantization must be one of {', '.join(map(str, QUANTIZATION_CHOICES))}, "
                              f"not {quantization!r}")
     path = resolve_model_path(model)
+    # the tokenizer (mostly importing transformers: Python) loads while the weights (mostly
+    # torch, which lets go of the GIL) do: ~0.5 s off a start-up
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        tokenizer_future = pool.submit(load_tokenizer, path) if with_tokenizer else None
+        net, config, context = _load_weights(path, dtype, device, max_model_len, shard, quantization)
+        tokenizer = tokenizer_future.result() if tokenizer_future is not None else None
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is not None and eos not in config.eos_token_ids:
+        config.eos_token_ids.append(eos)
+    return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context)
+
+
+def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                  shard: Communicator | None, quantization: str | None) -> tuple[DecoderForCausalLM, ModelConfig, int]:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path.name}: a model is an HF directory or a .gguf file")
@@ -178,11 +199,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     maybe_pack_weights(net, dtype, device)
     if interleaving_pays(device, dtype):  # after packing: that dequantizes from the row layout
         interleave_weights(net)
-    tokenizer = load_tokenizer(path) if with_tokenizer else None
-    eos = tokenizer.eos_token_id if tokenizer is not None else None
-    if eos is not None and eos not in config.eos_token_ids:
-        config.eos_token_ids.append(eos)
-    return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context)
+    return net, config, context
 
 
 def check_fits_in_memory(config: ModelConfig, context: int, dtype: torch.dtype, device: torch.device,
