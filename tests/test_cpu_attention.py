@@ -159,3 +159,13 @@ def test_decode_only_metadata_equals_the_general_paths():
     for name in ("token_index", "block_table", "seq_lens"):
         assert torch.equal(getattr(fast.decode, name), getattr(general.decode, name)), name
     assert fast.decode.context_len == general.decode.context_len and fast.decode.covers_batch
+
+
+def test_prefills_with_nothing_cached_skip_the_padded_bucket():
+    geometry = CacheGeometry(block_size=16, num_blocks=40, num_kv_heads=3, num_query_groups=3, head_dim=64,
+                             dtype=torch.bfloat16, device=torch.device("cpu"))
+    # a fresh prompt, a decode, a chunk after 32 cached tokens, another fresh prompt
+    md = CpuPagedAttention().build_metadata([5, 1, 7, 3], [0, 9, 32, 0], [[1], [2], [3, 4, 5], [6]], geometry)
+    assert md.fresh_prefills == [(0, 5), (13, 3)]  # (first flat token, tokens)
+    assert md.prefill is not None and md.prefill.valid.shape == (1, 7)  # only the chunk after cached tokens
+    assert md.decode is not None and not md.decode.covers_batch

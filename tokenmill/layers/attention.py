@@ -71,7 +71,10 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [kv_heads * T] rows of the cache viewed as [kv_heads * num_slots, head_dim]
     num_tokens: int  # T
     decode: object | None  # the backend's decode bucket (sequences with one new token), if any
-    prefill: PrefillBucket | None  # sequences with several new tokens, if any
+    prefill: PrefillBucket | None  # sequences with several new tokens after cached ones, if any
+    # sequences with several new tokens and nothing cached: (first flat token, number of tokens) of
+    # each; they attend to the step's own keys and values, without the cache or any padding
+    fresh_prefills: list[tuple[int, int]]
 
 
 @dataclass
@@ -110,9 +113,14 @@ class StepLayout:
         return len(self.positions)
 
     def members(self, decode: bool) -> torch.Tensor:
-        """Indices of the decode sequences (one new token) or of the prefill chunks."""
+        """Indices of the decode sequences (one new token) or of the prefill chunks after cached tokens."""
         is_decode = self.query_lens == 1
-        return torch.nonzero(is_decode if decode else ~is_decode).flatten()
+        return torch.nonzero(is_decode if decode else ~is_decode & (self.context_lens > 0)).flatten()
+
+    def fresh_prefills(self) -> list[tuple[int, int]]:
+        """(first flat token, number of tokens) of each prefill chunk with nothing cached before it."""
+        fresh = (self.query_lens > 1) & (self.context_lens == 0)
+        return list(zip(self.query_starts[fresh].tolist(), self.query_lens[fresh].tolist()))
 
     def bucket_blocks(self, members: torch.Tensor, block_size: int) -> int:
         """Blocks that cover the longest of these sequences."""
@@ -190,6 +198,7 @@ class TorchPagedAttention:
             num_tokens=step.num_tokens,
             decode=self._decode_bucket(step, decodes, geometry) if len(decodes) else None,
             prefill=prefill_bucket(step, prefills, geometry) if len(prefills) else None,
+            fresh_prefills=step.fresh_prefills(),
         )
 
     def _decode_bucket(self, step: StepLayout, members: torch.Tensor, geometry: CacheGeometry) -> DecodeBucket:
@@ -246,7 +255,21 @@ class TorchPagedAttention:
             out[decode.token_index] = self._decode(q[decode.token_index], k_cache, v_cache, decode, scale)
         if prefill is not None:
             out[prefill.token_index] = self._prefill(q, k_cache, v_cache, prefill, scale)
+        if metadata.fresh_prefills:
+            self._prefill_fresh(q, k, v, metadata.fresh_prefills, scale, out)
         return out
+
+    def _prefill_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[tuple[int, int]],
+                       scale: float, out: torch.Tensor) -> None:
+        """Chunks with nothing cached attend to their own keys and values, causally, one SDPA call
+        each: no gather from the cache, no padding to the longest chunk, no mask tensor."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        for start, length in chunks:
+            rows = slice(start, start + length)
+            attn = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
+                is_causal=True, scale=scale, enable_gqa=num_heads != k.shape[1])  # [1, heads, length, head_dim]
+            out[rows] = attn[0].transpose(0, 1).reshape(length, num_heads * head_dim)
 
     def _write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                   k: torch.Tensor, v: torch.Tensor) -> None:

@@ -85,7 +85,7 @@ class CpuPagedAttention(TorchPagedAttention):
         )
         return CpuAttentionMetadata(positions=torch.tensor(context_lens, dtype=torch.int64),
                                     write_index=torch.tensor(write_index, dtype=torch.int64), num_tokens=batch,
-                                    decode=bucket, prefill=None, slots=torch.tensor(slots, dtype=torch.int64))
+                                    decode=bucket, prefill=None, fresh_prefills=[], slots=torch.tensor(slots, dtype=torch.int64))
 
     def _decode_bucket(self, step: StepLayout, members: torch.Tensor,
                        geometry: CacheGeometry) -> KernelDecodeBucket:

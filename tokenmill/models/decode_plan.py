@@ -88,8 +88,8 @@ class DecodePlan:
     def covers(input_ids: torch.Tensor, ctx: AttentionContext) -> bool:
         """Whether this step is one the plan runs: decode only, at most GEMV_MAX_ROWS sequences."""
         metadata = ctx.metadata
-        return (metadata.prefill is None and isinstance(metadata.decode, KernelDecodeBucket)
-                and input_ids.shape[0] <= GEMV_MAX_ROWS)
+        return (metadata.prefill is None and not metadata.fresh_prefills
+                and isinstance(metadata.decode, KernelDecodeBucket) and input_ids.shape[0] <= GEMV_MAX_ROWS)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden], as model(input_ids, positions, ctx)."""

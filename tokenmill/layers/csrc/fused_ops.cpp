@@ -211,6 +211,16 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// pairs words from src (one after another) to dst, dst_stride bytes apart
+template <typename Word>
+inline void copy_pairs(const char* src, char* dst, int64_t pairs, int64_t dst_stride) {
+  for (int64_t p = 0; p < pairs; ++p) {
+    Word word;
+    std::memcpy(&word, src + p * sizeof(Word), sizeof(Word));
+    std::memcpy(dst + p * dst_stride, &word, sizeof(Word));
+  }
+}
+
 void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
@@ -241,8 +251,11 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
       std::memcpy(vc + (head_block + offset * D) * elem, vp + (t * v.stride(0) + h * v.stride(1)) * elem, D * elem);
       // keys: dimension pair p of token `offset` sits at [p, offset, 0:2] of the block
       const char* key = kp + (t * k.stride(0) + h * k.stride(1)) * elem;
-      for (int64_t p = 0; p < D / 2; ++p) {
-        std::memcpy(kc + (head_block + (p * block_size + offset) * 2) * elem, key + 2 * p * elem, 2 * elem);
+      char* column = kc + (head_block + offset * 2) * elem;
+      if (elem == 2) {  // a pair is one 32-bit word
+        copy_pairs<uint32_t>(key, column, D / 2, block_size * 2 * elem);
+      } else {
+        copy_pairs<uint64_t>(key, column, D / 2, block_size * 2 * elem);
       }
     }
   });
