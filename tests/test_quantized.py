@@ -82,6 +82,19 @@ def test_kernel_takes_half_precision_activations(dtype):
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+@needs_kernel
+@pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 16), (4, 16), (8, 64)]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_kernel_matches_the_float64_weights(bits, group, cols, dtype, monkeypatch):
+    q = random_weight(19, cols, bits, group, seed=cols, half=dtype != torch.float32)
+    got = q.dequantize(dtype)
+    assert got.dtype == dtype and got.shape == (19, cols)
+    want = reference_weight(q)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6 if dtype == torch.float32 else 2**-8, atol=1e-7)
+    monkeypatch.setattr(quantized, "_kernel_available", lambda: False)  # the PyTorch path: the same values
+    torch.testing.assert_close(q.dequantize(dtype), got, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16), (4, 16), (4, 64)])
 @pytest.mark.parametrize("num_rows", [1, 16, 45])
 def test_interleaved_layout_round_trips_with_the_documented_byte_order(bits, group, num_rows):

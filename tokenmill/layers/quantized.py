@@ -77,6 +77,9 @@ class QuantizedWeight:
         return unpack_nibbles(self.codes, self.shape[1]) if self.bits == 4 else self.codes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.codes.device.type == "cpu" and _kernel_available():  # ~10x faster: most of packing at load
+            return torch.ops.tokenmill.quant_dequantize.default(self.codes, self.scales, self.offsets, self.bits,
+                                                                self.group_size, dtype)
         return _dequantize(self.unpacked_codes(), self.scales, self.offsets, self.group_size, dtype)
 
     def dequantize_rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -2,6 +2,7 @@
 // linears of decode (one stream or a handful) read 4- or 8-bit weights straight from memory.
 //
 //   quant_gemv(x [M, K], codes, scales [N, K/G], offsets [N, K/G], bits, G) -> [M, N]
+//   quant_dequantize(codes, scales, offsets, bits, G, dtype) -> the weight [N, K] in dtype
 //
 // Weight n, column k, in group g = k / G:   w = scales[n, g] * u + offsets[n, g]
 // where u is the unsigned code. Codes are stored by output row; 8-bit codes one byte each,
@@ -22,6 +23,7 @@
 #include <torch/library.h>
 
 #include "quant_layout.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -155,12 +157,69 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// The whole weight [N, K] in `dtype`: w = s * u + o, rounded once (what a load does to give the
+// batched path its dense copy: ~10x PyTorch's unpack-convert-multiply-add).
+template <typename S, typename T>
+void dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
+                     int64_t G, int64_t K, at::Tensor& out) {
+  const int64_t N = codes.size(0), groups = K / G, row_bytes = bits == 8 ? K : K / 2;
+  const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
+  const S* scale_ptr = scales.data_ptr<S>();
+  const S* offset_ptr = offsets.data_ptr<S>();
+  T* out_ptr = out.data_ptr<T>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scale_buf(groups), offset_buf(groups);
+    for (int64_t n = begin; n < end; ++n) {
+      const float* s = as_float(scale_ptr + n * groups, scale_buf.data(), groups);
+      const float* o = as_float(offset_ptr + n * groups, offset_buf.data(), groups);
+      for (int64_t c = 0; c < K; c += kChunk) {
+        __m512i q[4];
+        const int parts = load_chunk(code_ptr + n * row_bytes, c, std::min(kChunk, K - c), static_cast<int>(bits), q);
+        for (int j = 0; j < parts; ++j) {
+          const int64_t col = c + 16 * j, g = col / G;
+          const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[j]), _mm512_set1_ps(s[g]), _mm512_set1_ps(o[g]));
+          tokenmill_vec::store(out_ptr + n * K + col, w, 16);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
+                            int64_t group_size, at::ScalarType dtype) {
+  TORCH_CHECK(scales.dim() == 2, "scales must be [N, K / group_size]");
+  const int64_t K = scales.size(1) * group_size;
+  tokenmill_quant::check_arguments(at::empty({0, K}, scales.options().dtype(at::kFloat)), codes, scales, offsets, bits,
+                                   group_size);
+  at::Tensor out = at::empty({codes.size(0), K}, scales.options().dtype(dtype));
+  const bool half = scales.scalar_type() == at::kHalf;
+  switch (dtype) {
+    case at::kFloat:
+      half ? dequantize_rows<c10::Half, float>(codes, scales, offsets, bits, group_size, K, out)
+           : dequantize_rows<float, float>(codes, scales, offsets, bits, group_size, K, out);
+      break;
+    case at::kBFloat16:
+      half ? dequantize_rows<c10::Half, c10::BFloat16>(codes, scales, offsets, bits, group_size, K, out)
+           : dequantize_rows<float, c10::BFloat16>(codes, scales, offsets, bits, group_size, K, out);
+      break;
+    case at::kHalf:
+      half ? dequantize_rows<c10::Half, c10::Half>(codes, scales, offsets, bits, group_size, K, out)
+           : dequantize_rows<float, c10::Half>(codes, scales, offsets, bits, group_size, K, out);
+      break;
+    default: TORCH_CHECK(false, "quant_dequantize: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size) -> Tensor");
+  m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, ScalarType dtype) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("quant_gemv", quant_gemv);
+  m.impl("quant_dequantize", quant_dequantize);
 }
