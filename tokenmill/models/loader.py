@@ -24,7 +24,7 @@ from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.models.safetensors_loader import iter_safetensors
 from tokenmill.models.sharding import shard_config, shard_weights, wrap_parallel
-from tokenmill.platform import available_memory_bytes, cache_dir
+from tokenmill.platform import available_memory_bytes, cache_dir, release_free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
         tokenizer_future = pool.submit(load_tokenizer, path) if with_tokenizer else None
         net, config, context = _load_weights(path, dtype, device, max_model_len, shard, quantization)
         tokenizer = tokenizer_future.result() if tokenizer_future is not None else None
+    release_free_memory()  # the temporaries of repacking and the tokenizer thread's heap: ~150 MB resident
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is not None and eos not in config.eos_token_ids:
         config.eos_token_ids.append(eos)
