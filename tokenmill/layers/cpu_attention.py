@@ -19,6 +19,7 @@ from tokenmill.layers.attention import (
     AttentionBackend, AttentionMetadata, CacheGeometry, StepLayout, TorchPagedAttention,
 )
 from tokenmill.layers.cpu_kernels import kernels_enabled, load_cpu_kernels
+from tokenmill.layers.rotary import RopeStep
 
 MAX_QUERY_GROUPS = 8
 MAX_HEAD_DIM = 256
@@ -114,6 +115,18 @@ class CpuPagedAttention(TorchPagedAttention):
         out = torch.ops.tokenmill.paged_decode.default(q.contiguous(), k_cache, v_cache, bucket.block_table,
                                                        bucket.seq_lens, scale, bucket.context_len)
         return out.view(q.shape[0], -1)  # [B, num_heads, head_dim] -> [B, num_heads * head_dim]
+
+
+def fused_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, rope: RopeStep,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: CpuAttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    """A decode-only step's attention from the fused q/k/v projection [T, (heads + 2 kv_heads) * head_dim]
+    in one op: rotary (the kernel's, rope.tables is None), the KV write and CpuPagedAttention's decode,
+    bit for bit, without the Python between them."""
+    bucket = metadata.decode
+    return torch.ops.tokenmill.decode_attention.default(
+        qkv, num_heads, num_kv_heads, rope.positions, rope.cos_cache, rope.sin_cache, k_cache, v_cache,
+        metadata.slots, bucket.block_table, bucket.seq_lens, scale, bucket.context_len)
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim: int,

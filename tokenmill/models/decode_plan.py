@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.attention import AttentionContext
-from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket
+from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket, fused_decode_attention
 from tokenmill.layers.cpu_kernels import kernels_available
 from tokenmill.layers.linear import silu_and_mul
 from tokenmill.layers.quantized import GEMV_MAX_ROWS, InterleavedWeight, QuantizedLinear
@@ -101,6 +101,7 @@ class DecodePlan:
         x = self.model.embed_tokens(input_ids)
         num_tokens = x.shape[0]
         rope = self.model.rotary.step(positions, x.dtype)
+        fused_attention = rope.tables is None  # rotary by our kernel: it can run inside the attention op
         residual = None
         for layer in self.layers:
             if residual is None:
@@ -108,15 +109,19 @@ class DecodePlan:
             else:
                 h = add_rms_norm(x, residual, layer.input_norm, eps)
             qkv = layer.qkv(h)
-            v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
-            if layer.q_norm is None:
-                qk = rope.rotate(qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim))
-                q, k = qk[:, :num_heads], qk[:, num_heads:]
+            if layer.q_norm is None and fused_attention:
+                out = fused_decode_attention(qkv, num_heads, num_kv_heads, rope, layer.k_cache, layer.v_cache,
+                                             metadata, self.scale)
             else:
-                q = layer.q_norm(qkv[:, :q_size].view(num_tokens, num_heads, head_dim))
-                k = layer.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim))
-                q, k = rope.rotate(q), rope.rotate(k)
-            out = backend.forward(q, k, v, layer.k_cache, layer.v_cache, metadata, self.scale)
+                v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
+                if layer.q_norm is None:
+                    qk = rope.rotate(qkv[:, : q_size + kv_size].view(num_tokens, num_heads + num_kv_heads, head_dim))
+                    q, k = qk[:, :num_heads], qk[:, num_heads:]
+                else:
+                    q = layer.q_norm(qkv[:, :q_size].view(num_tokens, num_heads, head_dim))
+                    k = layer.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim))
+                    q, k = rope.rotate(q), rope.rotate(k)
+                out = backend.forward(q, k, v, layer.k_cache, layer.v_cache, metadata, self.scale)
             h = add_rms_norm(layer.o(out), residual, layer.post_norm, eps)
             gated = fused_silu(layer.gate_up(h)) if layer.gate_up_is_kernel else silu_and_mul(layer.gate_up_module, h)
             x = layer.down(gated)

@@ -3,7 +3,9 @@
 //
 //   paged_decode_qk: scores[b, head, t] = scale * q[b, head] . K[b, t]   (-inf past the sequence)
 //   paged_decode_pv: out[b, head] = sum_t probs[b, head, t] * V[b, t]
-//   paged_decode:    the two with the softmax between them, one op (what a decode step calls)
+//   paged_decode:    the two with the softmax between them, one op
+//   decode_attention: rotary and the KV write, then paged_decode, from the fused q/k/v (what a
+//                    decode step calls)
 // Work is split over (sequence, kv head): each
 // cache block is read once for all query heads of its group (GQA). With AVX512-BF16, bf16 caches
 // use the bf16 pair dot-product instruction (fp32 accumulation); other dtypes convert to fp32.
@@ -20,6 +22,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -413,6 +416,28 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// A decode step's attention from the fused q/k/v projection [T, (heads + 2 kv_heads) D], one op:
+// rotary on q and k in place, the new k and v into the cache, then paged_decode. The steps are
+// the same ops (called through the dispatcher from C++), so the result is theirs bit for bit.
+at::Tensor decode_attention(const at::Tensor& qkv, int64_t num_heads, int64_t num_kv_heads, const at::Tensor& positions,
+                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale, int64_t context) {
+  const int64_t T = qkv.size(0), D = k_cache.size(3);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * D,
+              "decode_attention: qkv must be [T, (heads + 2 kv_heads) head_dim] with unit column stride");
+  static const auto rotary = c10::Dispatcher::singleton().findSchemaOrThrow("tokenmill::rotary_", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  static const auto write_kv = c10::Dispatcher::singleton().findSchemaOrThrow("tokenmill::write_kv", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  const at::Tensor qk = qkv.narrow(1, 0, (num_heads + num_kv_heads) * D).view({T, num_heads + num_kv_heads, D});
+  rotary.call(qk, positions, cos, sin);
+  const at::Tensor v = qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D).view({T, num_kv_heads, D});
+  write_kv.call(qk.narrow(1, num_heads, num_kv_heads), v, k_cache, v_cache, slots);
+  const at::Tensor q = qk.narrow(1, 0, num_heads).contiguous();
+  return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, context).view({T, num_heads * D});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenmill, m) {
@@ -420,10 +445,14 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("paged_decode_pv(Tensor probs, Tensor v_cache, Tensor block_tables, Tensor seq_lens) -> Tensor");
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
         "int context) -> Tensor");
+  m.def("decode_attention(Tensor(a!) qkv, int num_heads, int num_kv_heads, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int context) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_decode_qk", paged_decode_qk);
   m.impl("paged_decode_pv", paged_decode_pv);
   m.impl("paged_decode", paged_decode);
+  m.impl("decode_attention", decode_attention);
 }
