@@ -6,11 +6,12 @@
 
 Every server is driven by tokenmill's streaming client (tokenmill/bench) with the same token-id prompts
 (windows of benchmarks/data/mills.txt), greedy, ignore_eos, no prefix-cache hits between phases:
-  W1  three different 128-token prompts -> 128 tokens, one at a time (TTFT, decode tok/s)
-  W2  64 x 256 -> 128 all at once (total and output tok/s)
-  W3  64 x 256 -> 128 at concurrency 16 (TTFT p99, ITL median)
-It also records peak RSS of the server's whole process tree and the seconds from launch to answering
-/v1/models. Prints a table and one JSON line (ratios tokenmill / peer). Not in CI. Usage:
+  W1  three different 128-token prompts -> 128 tokens, one at a time (TTFT, decode tok/s), twice; all
+      servers are up and take turns prompt by prompt, so that each W1 figure is of the same minutes
+  W2  64 x 256 -> 128 all at once (total and output tok/s), one engine at a time
+  W3  64 x 256 -> 128 at concurrency 16 (TTFT p99, ITL median), one engine at a time
+It also records peak RSS of each server's whole process tree and the seconds from launch to answering
+/v1/models (servers start one after another). Prints a table and one JSON line (ratios tokenmill / peer). Not in CI. Usage:
     python benchmarks/peers.py [--llama-server PATH] [--vllm-python PATH --hf-dir DIR] [--skip NAME ...]
 """
 
@@ -89,7 +90,13 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600) -> No
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if name == "tokenmill":
-        return [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning"], env
+        command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        from tokenmill.hardware import cached_cpu_peaks
+
+        peaks = cached_cpu_peaks()  # given, so that no background measurement runs while a peer decodes
+        if peaks is not None:
+            command += ["--peak-tflops", str(peaks.bf16_tflops), "--peak-bandwidth-gbs", str(peaks.bandwidth_gbs)]
+        return command, env
     if name == "llama.cpp":
         from tokenmill.models.loader import default_model_path
 
@@ -114,35 +121,65 @@ def phase(port: int, model: str, prompts: list[list[int]], output_len: int, conc
     return {**report, "decode_tps_median": statistics.median(decode)}
 
 
-def run_engine(name: str, args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> dict:
-    port = args.port
-    command, env = server_command(name, args, port)
-    launched = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sampler = PeakRss(process.pid)
-    sampler.start()
-    try:
-        wait_ready(port, process)
-        ready_s = time.perf_counter() - launched
-        model = served_model_name(f"http://127.0.0.1:{port}", None, None)
-        phase(port, model, prompts["warmup"], 8, 4)
-        w1 = [phase(port, model, [p], args.output_len, 1) for p in prompts["w1"]]
-        w2 = phase(port, model, prompts["w2"], args.output_len, len(prompts["w2"]))
-        w3 = phase(port, model, prompts["w3"], args.output_len, args.concurrency)
-    finally:
-        process.terminate()
+class Server:
+    """One engine's server: launched, timed to ready, its process tree's RSS sampled until stop()."""
+
+    def __init__(self, name: str, args: argparse.Namespace, port: int) -> None:
+        self.name, self.port = name, port
+        command, env = server_command(name, args, port)
+        launched = time.perf_counter()
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.sampler = PeakRss(self.process.pid)
+        self.sampler.start()
         try:
-            process.wait(60)
+            wait_ready(port, self.process)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.perf_counter() - launched
+        self.model = served_model_name(f"http://127.0.0.1:{port}", None, None)
+
+    def run(self, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+        return phase(self.port, self.model, prompts, output_len, concurrency)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
         except subprocess.TimeoutExpired:
-            process.kill()
-        sampler.done.set()
-    return {
-        "engine": name, "ready_s": ready_s, "peak_rss_mb": sampler.peak,
-        "w1_ttft_ms": statistics.median(r["ttft_ms"]["median"] for r in w1),
-        "w1_decode_tps": statistics.median(r["decode_tps_median"] for r in w1),
-        "w2_total_tps": w2["total_token_throughput"], "w2_output_tps": w2["output_throughput"],
-        "w3_ttft_p99_ms": w3["ttft_ms"]["p99"], "w3_itl_median_ms": w3["itl_ms"]["median"],
-    }
+            self.process.kill()
+        self.sampler.done.set()
+
+
+def run_engines(names: list[str], args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> list[dict]:
+    """Every server up at once (launched one after another, each timed alone); W1 with the engines
+    taking turns prompt by prompt, so that they decode in the same minutes (this machine's speed
+    drifts by up to 2x within an hour); W2 and W3 one engine at a time, the others idle."""
+    servers: list[Server] = []
+    try:
+        for i, name in enumerate(names):
+            servers.append(Server(name, args, args.port + i))
+            servers[-1].run(prompts["warmup"], 8, 4)
+        w1: dict[str, list[dict]] = {s.name: [] for s in servers}
+        for _ in range(args.w1_rounds):
+            for prompt in prompts["w1"]:
+                for server in servers:
+                    w1[server.name].append(server.run([prompt], args.output_len, 1))
+        results = []
+        for server in servers:
+            w2 = server.run(prompts["w2"], args.output_len, len(prompts["w2"]))
+            w3 = server.run(prompts["w3"], args.output_len, args.concurrency)
+            results.append({
+                "engine": server.name, "ready_s": server.ready_s, "peak_rss_mb": server.sampler.peak,
+                "w1_ttft_ms": statistics.median(r["ttft_ms"]["median"] for r in w1[server.name]),
+                "w1_decode_tps": statistics.median(r["decode_tps_median"] for r in w1[server.name]),
+                "w2_total_tps": w2["total_token_throughput"], "w2_output_tps": w2["output_throughput"],
+                "w3_ttft_p99_ms": w3["ttft_ms"]["p99"], "w3_itl_median_ms": w3["itl_ms"]["median"],
+            })
+        return results
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def roofline(result: dict) -> dict:
@@ -180,6 +217,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--w1-rounds", type=int, default=2, help="times each engine decodes each W1 prompt")
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, a smoke run")
     args = parser.parse_args()
 
@@ -199,7 +237,7 @@ def main() -> None:
         print(f"llama.cpp: no {args.llama_server} (../shared/peers/build_llamacpp.sh builds it)", file=sys.stderr)
     if args.vllm_python is not None and args.hf_dir is not None:
         engines.append("vllm")
-    results = [run_engine(name, args, prompts) for name in engines if name not in args.skip]
+    results = run_engines([name for name in engines if name not in args.skip], args, prompts)
 
     columns = [("ready_s", "ready s", ".1f"), ("peak_rss_mb", "RSS MB", ".0f"), ("w1_ttft_ms", "W1 TTFT ms", ".0f"),
                ("w1_decode_tps", "W1 tok/s", ".1f"), ("w2_total_tps", "W2 total", ".0f"),
