@@ -25,6 +25,7 @@ AVX-512, CUDA) few rows go the same way: correct, not fast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -267,9 +268,13 @@ def _kernel_matmul(x: torch.Tensor, q: AnyQuantizedWeight, activation_bits: int 
         if activation_bits is None or not _q8_kernel_available():
             q = q.to_rows()  # slow: a layer asked for float32 activations after load
         else:
-            return torch.ops.tokenmill.quant_gemv_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
-                                                             q.num_rows, activation_bits == 16)
+            return _vnni_matmul(x, q, activation_bits == 16)
     return torch.ops.tokenmill.quant_gemv.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
+
+
+def _vnni_matmul(x: torch.Tensor, q: InterleavedWeight, two_parts: bool) -> torch.Tensor:
+    return torch.ops.tokenmill.quant_gemv_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
+                                                     q.num_rows, two_parts)
 
 
 # names of this module's own, for tests to switch the kernels off
@@ -296,6 +301,17 @@ class QuantizedLinear(nn.Module):
         else:
             out = F.linear(x, self.qweight.dequantize(x.dtype))
         return out if self.bias is None else out + self.bias
+
+    def few_row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """self(x) for x of at most GEMV_MAX_ROWS rows as one bound VNNI kernel call (the decode
+        plan's), where the layer runs that kernel; None where it does not."""
+        w = self.qweight
+        if not (isinstance(w, InterleavedWeight) and self.activation_bits is not None and _q8_kernel_available()):
+            return None
+        two_parts, bias = self.activation_bits == 16, self.bias
+        if bias is None:
+            return lambda x: _vnni_matmul(x, w, two_parts)
+        return lambda x: _vnni_matmul(x, w, two_parts) + bias
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As a fused [gate; up] projection: silu(gate) * up, inside the GEMMs when `batched` can."""

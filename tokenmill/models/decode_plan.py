@@ -23,7 +23,7 @@ from tokenmill.layers.attention import AttentionContext
 from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket, fused_decode_attention
 from tokenmill.layers.cpu_kernels import kernels_available
 from tokenmill.layers.linear import silu_and_mul
-from tokenmill.layers.quantized import GEMV_MAX_ROWS, InterleavedWeight, QuantizedLinear
+from tokenmill.layers.quantized import GEMV_MAX_ROWS, QuantizedLinear
 from tokenmill.models.llama import DecoderForCausalLM
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -49,14 +49,8 @@ class LayerPlan:
 
 def _bound_linear(module: nn.Module) -> tuple[Linear, bool]:
     """(a callable computing module(x) for few rows, whether it is the bare kernel call)."""
-    if not (isinstance(module, QuantizedLinear) and isinstance(module.qweight, InterleavedWeight)
-            and module.activation_bits is not None):
-        return module, False
-    w, two_parts, bias = module.qweight, module.activation_bits == 16, module.bias
-    op = torch.ops.tokenmill.quant_gemv_q8.default
-    if bias is None:
-        return (lambda x: op(x, w.codes, w.scales, w.offsets, w.bits, w.group_size, w.num_rows, two_parts)), True
-    return (lambda x: op(x, w.codes, w.scales, w.offsets, w.bits, w.group_size, w.num_rows, two_parts) + bias), True
+    kernel = module.few_row_kernel() if isinstance(module, QuantizedLinear) else None
+    return (module, False) if kernel is None else (kernel, True)
 
 
 class DecodePlan:

@@ -39,14 +39,7 @@ constexpr int64_t kMaxGroups = 8;    // query heads per kv head
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kAhead = 2;        // blocks prefetched ahead (into L2): the cache is read from DRAM
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using tokenmill_vec::load;  // n <= 16 elements as float32, zero past n
 
 inline void prefetch_rows(const void* rows, int64_t bytes) {
   const char* p = static_cast<const char*>(rows);
@@ -82,17 +75,8 @@ template <typename T>
 void rows_to_float(const T* rows, int64_t n, int64_t head_dim, float* dst) {
   for (int64_t r = 0; r < kRows; ++r) {
     const T* row = rows + std::min(r, n - 1) * head_dim;
-    for (int64_t c = 0; c < head_dim; c += 16) _mm512_store_ps(dst + r * head_dim + c, load16(row + c));
+    for (int64_t c = 0; c < head_dim; c += 16) _mm512_store_ps(dst + r * head_dim + c, load(row + c, 16));
   }
-}
-
-// 16 values from p (lanes past `valid` read as 0), as fp32
-inline __m512 load16(const float* p, __mmask16 valid) { return _mm512_maskz_loadu_ps(valid, p); }
-inline __m512 load16(const c10::Half* p, __mmask16 valid) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
-}
-inline __m512 load16(const c10::BFloat16* p, __mmask16 valid) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(valid, p)), 16));
 }
 
 #if defined(__AVX512BF16__)
@@ -138,11 +122,10 @@ __attribute__((always_inline)) inline void scores16(const T* column, int64_t n, 
   // Other dtypes (and bf16 without AVX512-BF16), in fp32: split each pair into even and odd dimensions
   const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd_index = _mm512_add_epi32(even_index, _mm512_set1_epi32(1));
-  const __mmask16 first = static_cast<__mmask16>((1u << std::min<int64_t>(2 * n, 16)) - 1);
-  const __mmask16 second = static_cast<__mmask16>((1u << std::max<int64_t>(2 * n - 16, 0)) - 1);
+  const int64_t first = std::min<int64_t>(2 * n, 16), second = std::max<int64_t>(2 * n - 16, 0);  // values
   for (int64_t d = 0; d < head_dim / 2; ++d) {
     const T* p = column + d * block_size * 2;
-    const __m512 lo = load16(p, first), hi = load16(p + 16, second);
+    const __m512 lo = load(p, first), hi = load(p + 16, second);
     const __m512 even = _mm512_permutex2var_ps(lo, even_index, hi), odd = _mm512_permutex2var_ps(lo, odd_index, hi);
 #pragma GCC unroll 8
     for (int64_t h = 0; h < kMaxGroups; ++h) {

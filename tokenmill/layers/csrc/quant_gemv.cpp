@@ -189,8 +189,7 @@ at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, c
                             int64_t group_size, at::ScalarType dtype) {
   TORCH_CHECK(scales.dim() == 2, "scales must be [N, K / group_size]");
   const int64_t K = scales.size(1) * group_size;
-  tokenmill_quant::check_arguments(at::empty({0, K}, scales.options().dtype(at::kFloat)), codes, scales, offsets, bits,
-                                   group_size);
+  tokenmill_quant::check_row_weight(codes, scales, offsets, bits, group_size, K);
   at::Tensor out = at::empty({codes.size(0), K}, scales.options().dtype(dtype));
   const bool half = scales.scalar_type() == at::kHalf;
   switch (dtype) {

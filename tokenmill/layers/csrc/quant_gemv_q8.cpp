@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "quant_layout.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -233,22 +234,17 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
 
 void check_interleaved(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& offsets, int64_t bits, int64_t G, int64_t N) {
-  TORCH_CHECK(x.dim() == 2, "x must be a [M, K] matrix");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "x must be float32, bfloat16 or float16");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(G % 16 == 0 && G > 0, "the group size must be a multiple of 16");
+  tokenmill_quant::check_activations(x);
+  tokenmill_quant::check_bits_and_group(bits, G);
   const int64_t K = x.size(1);
   TORCH_CHECK(K % G == 0, "K must be a multiple of the group size");
   const int64_t blocks = (N + kLanes - 1) / kLanes;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
                   codes.size(0) == blocks && codes.size(1) == K / G && codes.size(2) == kLanes * G * bits / 8,
               "codes must be contiguous uint8 [ceil(N / 16), K / G, 16 G bits / 8]");
-  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
-                  scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == K / G && scales.size(2) == kLanes,
-              "scales must be contiguous float32 or float16 [ceil(N / 16), K / G, 16]");
-  TORCH_CHECK(offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous() &&
-                  offsets.sizes() == scales.sizes(), "offsets must be like scales");
+  tokenmill_quant::check_scales(scales, offsets);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == K / G && scales.size(2) == kLanes,
+              "scales must be [ceil(N / 16), K / G, 16]");
 }
 
 at::Tensor quant_gemv_q8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,

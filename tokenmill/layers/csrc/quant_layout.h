@@ -1,30 +1,50 @@
-// The quantized-weight layout both matrix-vector kernels read (quant_gemv.cpp, quant_gemv_q8.cpp;
-// layers/quantized.py makes it): the argument checks they share.
+// Argument checks of the quantized-weight kernels (quant_gemv.cpp, quant_gemv_q8.cpp; layouts in
+// layers/quantized.py), so that each rule is written once.
 #pragma once
 #include <ATen/core/Tensor.h>
 
 namespace tokenmill_quant {
 
-// x [M, K]; codes uint8 [N, K] (8-bit) or [N, K / 2] (4-bit); scales and offsets [N, K / G], both
-// float32 or both float16.
-inline void check_arguments(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                            const at::Tensor& offsets, int64_t bits, int64_t group_size) {
+// x [M, K] in float32, bfloat16 or float16.
+inline void check_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "x must be a [M, K] matrix");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16");
+}
+
+inline void check_bits_and_group(int64_t bits, int64_t group_size) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(group_size % 16 == 0, "the group size must be a multiple of 16");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
-              "codes must be contiguous uint8 [N, bytes per row]");
+  TORCH_CHECK(group_size > 0 && group_size % 16 == 0, "the group size must be a multiple of 16");
+}
+
+// offsets like scales, both contiguous float32 or both float16.
+inline void check_scales(const at::Tensor& scales, const at::Tensor& offsets) {
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous(),
               "scales must be contiguous float32 or float16");
   TORCH_CHECK(offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous() &&
               offsets.sizes() == scales.sizes(), "offsets must be like scales");
-  const int64_t K = x.size(1), N = codes.size(0);
+}
+
+// The row layout of a [N, K] weight: codes uint8 [N, K] (8-bit) or [N, K / 2] (4-bit); scales and
+// offsets [N, K / G].
+inline void check_row_weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                             int64_t bits, int64_t group_size, int64_t K) {
+  check_bits_and_group(bits, group_size);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
+              "codes must be contiguous uint8 [N, bytes per row]");
+  check_scales(scales, offsets);
+  const int64_t N = codes.size(0);
   TORCH_CHECK(K % 32 == 0 && K % group_size == 0, "K must be a multiple of 32 and of the group size");
   TORCH_CHECK(codes.size(1) == (bits == 8 ? K : K / 2), "codes do not match K");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.size(1) == K / group_size,
               "scales must be [N, K / group_size]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "x must be float32, bfloat16 or float16");
+}
+
+// x [M, K] against a weight in the row layout.
+inline void check_arguments(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& offsets, int64_t bits, int64_t group_size) {
+  check_activations(x);
+  check_row_weight(codes, scales, offsets, bits, group_size, x.size(1));
 }
 
 }  // namespace tokenmill_quant
