@@ -16,6 +16,8 @@ def _rss_mb() -> float:
 
 
 def test_kv_pool_is_zero_and_resident_only_where_written():
+    gc.collect()
+    release_free_memory()  # RSS is read after trims only: what earlier tests freed must not count
     before = _rss_mb()
     pool = zeros_on_demand((4, 2, 8192, 2048), torch.bfloat16)  # 256 MiB
     gc.collect()  # the mapping must outlive the function's own reference to it
