@@ -10,7 +10,7 @@ import torch
 from tokenmill import SamplingParams
 from tokenmill.errors import InvalidParameterError, TokenmillError
 from tokenmill.engine.scheduler_output import SamplingRequest
-from tokenmill.layers.sampler import SamplingSpec, gumbel_noise, sample
+from tokenmill.layers.sampler import SamplingSpec, gumbel_noise, sample, uniform_from_bits
 from tokenmill.worker.model_runner import sampling_spec
 
 
@@ -70,6 +70,15 @@ def test_seed_gives_same_tokens_whatever_the_batch():
     specs += [spec(SamplingParams(temperature=1.0), seed=77, output=[1, 2])]
     specs += [spec(SamplingParams(temperature=0))] * 2
     assert sample(batch, specs)[3].token_id == alone
+
+
+def test_uniforms_stay_inside_the_open_interval_so_noise_is_finite():
+    bits = torch.tensor([0, 1, 0xFFFFFF00, 0xFFFFFFFE, 0xFFFFFFFF], dtype=torch.int64)
+    uniform = uniform_from_bits(bits)
+    assert bool((uniform > 0).all()) and bool((uniform < 1).all())
+    assert bool(torch.isfinite(-torch.log(-torch.log(uniform))).all())
+    noise = gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 1 << 16)  # 4M draws
+    assert bool(torch.isfinite(noise).all())
 
 
 def test_gumbel_noise_is_a_function_of_seed_and_counter():

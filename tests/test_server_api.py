@@ -3,8 +3,11 @@ engine on the same weights is the reference."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from server_harness import start_server
 
 from tokenmill import SamplingParams
@@ -171,3 +174,27 @@ def test_errors_surface_as_sdk_exceptions(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=3,
                                        stream=True)
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+class Capital(BaseModel):
+    country: str = Field(max_length=40)
+    capital: str = Field(max_length=40)
+    population_millions: float = Field(ge=0, le=2000)
+
+
+def test_sdk_parse_on_the_default_model(client):
+    completion = client.chat.completions.parse(
+        model=MODEL, temperature=0, max_tokens=120, response_format=Capital,
+        messages=[{"role": "user", "content": "Give the capital of France and its population as JSON."}])
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Capital)
+    assert "paris" in choice.message.parsed.capital.lower()
+
+
+def test_json_object_on_the_default_model(client):
+    completion = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=200, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Describe a cat as a JSON object with a name and a colour."}])
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(completion.choices[0].message.content), dict)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.errors import InvalidParameterError
 
@@ -12,10 +14,71 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # the detokenizer holds back this much text at most
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
+MAX_GRAMMAR_CHARS = 64 * 1024  # a JSON schema, regex or grammar as text
+MAX_CHOICES = 1024
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): exactly one of a JSON schema, any JSON
+    object, a regular expression, one of some strings, or a Lark/GBNF grammar.
+
+    `param` names the API field it came from, for error messages.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise InvalidParameterError(
+                f"{self.param} takes exactly one of json, json_object, regex, choice, grammar; "
+                f"got {', '.join(given) or 'none'}", param=self.param)
+        kind = given[0]
+        if kind == "json" and isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidParameterError(f"{self.param}: the JSON schema is not valid JSON ({exc})",
+                                            param=self.param) from None
+        if kind == "json" and not isinstance(self.json, dict | bool):
+            raise InvalidParameterError(f"{self.param}: a JSON schema must be an object", param=self.param)
+        if kind in ("regex", "grammar") and (not isinstance(getattr(self, kind), str) or not getattr(self, kind)):
+            raise InvalidParameterError(f"{self.param}: {kind} must be a non-empty string", param=self.param)
+        if kind == "choice" and (not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES
+                                 or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise InvalidParameterError(f"{self.param}: choice must be a list of 1 to {MAX_CHOICES} non-empty strings",
+                                        param=self.param)
+        if len(self.key[1]) > MAX_GRAMMAR_CHARS:
+            raise InvalidParameterError(
+                f"{self.param}: the {kind} has {len(self.key[1])} characters; at most {MAX_GRAMMAR_CHARS}",
+                param=self.param)
+
+    @property
+    def kind(self) -> str:
+        if self.json_object is True:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a compiled grammar is cached by."""
+        kind = self.kind
+        if kind == "json":
+            return kind, json.dumps(self.json, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        return kind, "" if kind == "json_object" else getattr(self, kind)
 
 
 @dataclass
@@ -42,6 +105,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,5 +189,7 @@ class SamplingParams:
                 raise bad("logit_bias", "must map token ids to numbers") from None
             if any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
                 raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.skip_special_tokens, bool):
             raise bad("ignore_eos", "ignore_eos and skip_special_tokens must be booleans")

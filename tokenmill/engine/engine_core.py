@@ -19,6 +19,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.scheduler_output import SchedulerOutput
+from tokenmill.engine.structured_output import GrammarCompiler
 from tokenmill.errors import EngineDeadError, InvalidParameterError
 from tokenmill.executor.base import Executor, create_executor
 from tokenmill.outputs import OutputKind, RequestOutput
@@ -57,6 +58,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.input_processor = InputProcessor(loaded.tokenizer)
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids)
         self.max_model_len = loaded.max_model_len
         self.model_path = loaded.path
         cache = config.cache
@@ -135,6 +137,7 @@ class LLMEngine:
         prompt_token_ids = self.tokenize(prompt, add_special_tokens)
         max_tokens = self.validate_request(prompt_token_ids, params)
         eos = frozenset(self.model_config.eos_token_ids)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         arrival = arrival_time or time.time()
         # Siblings of an n > 1 request wait for the first one's prompt, then share its blocks.
         share_prompt = self.kv_cache.enable_prefix_caching
@@ -147,7 +150,7 @@ class LLMEngine:
                     request_id=child_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
                     max_tokens=max_tokens, seed=seed, eos_token_ids=eos, parent_id=request_id, index=index,
                     prompt=prompt_text, prefill_leader=children[0] if children and share_prompt else None,
-                    arrival_time=arrival,
+                    arrival_time=arrival, grammar=None if grammar is None else grammar.new_matcher(),
                 )
             )
         for child in children:

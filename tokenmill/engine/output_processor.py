@@ -51,7 +51,7 @@ class OutputProcessor:
         for request in updated:
             group, index = self._child_to_group[request.request_id]
             detokenizer = group.detokenizers[index]
-            if request.status == RequestStatus.FINISHED_STOPPED:
+            if request.status == RequestStatus.FINISHED_STOPPED and request.output_token_ids[-1] in request.stop_token_ids:
                 text = detokenizer.finish()  # the stop or EOS token adds no text
             else:
                 text = detokenizer.add_token(request.output_token_ids[-1], flush=request.is_finished)

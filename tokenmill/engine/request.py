@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.outputs import Logprob, RequestMetrics
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -61,6 +65,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # content hash of each full block
+    grammar: GrammarMatcher | None = None  # structured outputs: advanced by every kept output token
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id

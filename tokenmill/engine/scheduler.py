@@ -8,6 +8,7 @@ freed and it goes back to the head of the queue to be recomputed later.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -15,8 +16,11 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler_output import SamplingRequest, ScheduledSequence, SchedulerOutput
+from tokenmill.engine.structured_output import token_bitmasks
 from tokenmill.errors import RequestTooLongError
 from tokenmill.outputs import Logprob, SampledToken
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -100,7 +104,18 @@ class Scheduler:
             self.running.append(request)
             output.sequences.append(self._scheduled(request, num_new))
             budget -= num_new
+        self._add_token_bitmasks(output)
         return output
+
+    def _add_token_bitmasks(self, output: SchedulerOutput) -> None:
+        """Structured outputs: what each constrained sequence that samples may sample next, computed
+        for all of them at once."""
+        constrained = [(seq.sampling, self.requests[seq.request_id].grammar) for seq in output.sequences
+                       if seq.sampling is not None and self.requests[seq.request_id].grammar is not None]
+        if constrained:
+            bitmasks = token_bitmasks([grammar for _, grammar in constrained])
+            for (sampling, _), bitmask in zip(constrained, bitmasks):
+                sampling.allowed_token_bitmask = bitmask
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -150,9 +165,17 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            # the sampler masks what the grammar forbids, so this is a bug, not the user's doing
+            logger.error("request %s: sampled token %d breaks its grammar", request.parent_id, token_id)
+            request.status = RequestStatus.FINISHED_ERROR
+            return
         if token_id in request.stop_token_ids and params.may_stop_at(request.num_output_tokens):
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token_id if token_id in params.stop_token_ids else None  # None: EOS
+            return
+        if request.grammar is not None and request.grammar.is_terminated:  # nothing may follow but EOS
+            request.status = RequestStatus.FINISHED_STOPPED
             return
         if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH

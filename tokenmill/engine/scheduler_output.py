@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import torch
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -16,6 +17,8 @@ class SamplingRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far
     stop_token_ids: frozenset[int]  # tokens that end the sequence (stop_token_ids, and EOS unless ignored)
+    # structured outputs: int32 [ceil(vocab / 32)], bit j of word w set when token 32 * w + j may come next
+    allowed_token_bitmask: torch.Tensor | None = None
 
 
 @dataclass

@@ -46,9 +46,14 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -
     seed_hi = (seeds >> 32) & _MASK32
     row_key = _fmix32(_fmix32(seed_lo ^ _fmix32(seed_hi + 0x9E3779B9)) ^ (counters & _MASK32))
     token_key = _fmix32((torch.arange(vocab_size, device=device, dtype=torch.int64) * 0x9E3779B1) & _MASK32)
-    bits = _fmix32(row_key[:, None] ^ token_key[None, :])
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(uniform_from_bits(_fmix32(row_key[:, None] ^ token_key[None, :]))))
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """32 random bits -> float32 strictly inside (0, 1). 23 of them: with 24, (2^24 - 1 + 0.5) / 2^24
+    rounds to 1.0 in float32, whose Gumbel noise is +inf (one token in 2^24 sampled regardless of
+    its probability, or a NaN next to a -inf logit)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -126,15 +131,45 @@ def argmax(rows: torch.Tensor) -> torch.Tensor:
 _argmax_kernel_available = kernels_available  # a name of this module's own, for tests to switch off
 
 
-def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[SampledToken]:
-    """logits: [B, V] float32 raw model logits, one row per spec."""
+@dataclass
+class TokenBitmask:
+    """Structured outputs: the tokens some rows may sample. bitmask: int32 [len(rows), ceil(V / 32)],
+    bit j of word w set when token 32 * w + j is allowed."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
+
+    def allowed(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """bool [len(rows), V]."""
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        bits = (self.bitmask.to(device)[:, :, None] >> shifts) & 1  # [R, W, 32]
+        return bits.reshape(len(self.rows), -1)[:, :vocab_size].bool()
+
+
+def _apply_token_bitmask(logits: torch.Tensor, unbanned: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    """Forbidden tokens get -inf. A row whose bans (min_tokens) leave nothing the grammar allows
+    keeps the grammar's tokens without the bans: the grammar wins."""
+    rows = torch.tensor(mask.rows, device=logits.device)
+    allowed = mask.allowed(logits.shape[1], logits.device)
+    masked = logits[rows].masked_fill(~allowed, float("-inf"))
+    stuck = masked.amax(dim=-1) == float("-inf")
+    if bool(stuck.any()):
+        masked = torch.where(stuck[:, None], unbanned[rows].masked_fill(~allowed, float("-inf")), masked)
+    return logits.index_put((rows,), masked)
+
+
+def sample(logits: torch.Tensor, specs: list[SamplingSpec], mask: TokenBitmask | None = None) -> list[SampledToken]:
+    """logits: [B, V] float32 raw model logits, one row per spec; `mask` limits some rows' tokens."""
     device = logits.device
     max_logprobs = max((s.params.logprobs for s in specs if s.params.logprobs is not None), default=None)
     raw_logprobs = logits.log_softmax(dim=-1) if max_logprobs is not None else None
 
+    unbanned = logits
     logits = _apply_logit_bias_and_bans(logits, specs)
     if any(s.params.has_penalties for s in specs):
         logits = _apply_penalties(logits, specs)
+    if mask is not None and mask.rows:
+        logits = _apply_token_bitmask(logits, unbanned, mask)
 
     is_greedy = [s.params.is_greedy for s in specs]
     token_ids = argmax(logits)

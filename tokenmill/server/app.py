@@ -19,7 +19,8 @@ from tokenmill.errors import InvalidParameterError, TokenmillError
 from tokenmill.server.errors import error_response, invalid_body
 from tokenmill.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
 from tokenmill.server.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, to_conversation,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, refuse_unsupported_fields,
+    to_conversation,
 )
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_common import ClientDisconnected, ResponseLog, ServerContext, now_seconds
@@ -117,8 +118,10 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     async def run(request: Request, body_type: type[BaseModel], handler: Handler) -> Response:
         log: ResponseLog = request.state.log
         try:
+            data = await read_json_object(request)
+            refuse_unsupported_fields(data, getattr(body_type, "unsupported_fields", {}))
             try:
-                body = body_type.model_validate(await read_json_object(request))
+                body = body_type.model_validate(data)
             except ValidationError as exc:
                 raise invalid_body(exc) from None
             if ctx.log_prompts:
@@ -153,11 +156,21 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     async def detokenize(request: Request) -> Response:
         return await run(request, DetokenizeRequest, _detokenize)
 
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": now_seconds(), "owned_by": "tokenmill",
+                "root": ctx.model_name, "max_model_len": ctx.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": ctx.model_name, "object": "model", "created": now_seconds(), "owned_by": "tokenmill",
-                "root": ctx.model_name, "max_model_len": ctx.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        try:
+            ctx.check_model(model_id)
+        except TokenmillError as exc:
+            return error_response(exc)
+        return JSONResponse(model_card())
 
     @app.get("/health")
     async def health() -> Response:

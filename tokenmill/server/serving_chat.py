@@ -26,6 +26,7 @@ async def create_chat_completion(
     num_top = body.num_logprobs()
     params = body.sampling_params(max_tokens, num_top, ctx.vocab_size)
     effective_max_tokens = ctx.validate(prompt_token_ids, params)
+    await ctx.compile_grammar(params)
     ctx.check_request_tokens(body.n * (len(prompt_token_ids) + effective_max_tokens))
     ctx.check_accepting(body.n)
 

@@ -45,10 +45,20 @@ class ServerContext:
     # are not safe to share across threads, and a large prompt must not stall the event loop.
     inputs: InputProcessor = field(init=False)
     _tokenizer_thread: ThreadPoolExecutor = field(init=False)
+    _grammar_thread: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.inputs = InputProcessor(copy.deepcopy(self.engine.engine.tokenizer))
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
+        self._grammar_thread = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
+        self._grammar_thread.submit(self.engine.engine.grammars.prepare)  # ~1-3 s, once, off every request's path
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's structured-output constraint off the event loop and the engine loop
+        (the engine then finds it in its cache); InvalidParameterError (400) if it is bad."""
+        if params.structured_outputs is not None:
+            await asyncio.get_running_loop().run_in_executor(
+                self._grammar_thread, self.engine.engine.grammars.compile, params.structured_outputs)
 
     async def off_loop(self, fn: Callable, *args):
         """fn(*args) on the tokenizer thread: tokenizing, chat templates, detokenizing."""

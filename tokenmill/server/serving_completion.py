@@ -30,6 +30,7 @@ async def create_completion(
     prompt_token_ids = await ctx.off_loop(lambda: [ctx.inputs.tokenize(p) for p in prompts])
     max_tokens = [ctx.validate(ids, params) for ids in prompt_token_ids]
     ctx.check_request_tokens(body.n * sum(len(ids) + m for ids, m in zip(prompt_token_ids, max_tokens)))
+    await ctx.compile_grammar(params)
     ctx.check_accepting(len(prompts) * body.n)
 
     request_id = f"cmpl-{log.request_id}"

@@ -10,7 +10,7 @@ import torch
 from tokenmill.engine.scheduler_output import SamplingRequest, SchedulerOutput
 from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry
 from tokenmill.layers.cpu_attention import default_attention_backend
-from tokenmill.layers.sampler import SamplingSpec, sample
+from tokenmill.layers.sampler import SamplingSpec, TokenBitmask, sample
 from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.outputs import SampledToken
@@ -88,8 +88,16 @@ class ModelRunner:
         """One token for each sequence that samples, from its row of `logits`."""
         if logits is None:
             return []
-        return sample(logits, [sampling_spec(s.sampling) for s in scheduler_output.sequences
-                                      if s.sampling is not None])
+        requests = [s.sampling for s in scheduler_output.sequences if s.sampling is not None]
+        return sample(logits, [sampling_spec(r) for r in requests], grammar_mask(requests))
+
+
+def grammar_mask(requests: list[SamplingRequest]) -> TokenBitmask | None:
+    """The allowed tokens of the sequences under a grammar (structured outputs), or None."""
+    rows = [i for i, r in enumerate(requests) if r.allowed_token_bitmask is not None]
+    if not rows:
+        return None
+    return TokenBitmask(rows, torch.stack([requests[i].allowed_token_bitmask for i in rows]))
 
 
 def sampling_spec(request: SamplingRequest) -> SamplingSpec:

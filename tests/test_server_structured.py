@@ -1,0 +1,153 @@
+"""Structured outputs and the API's refusals through a real `tokenmill serve` on the tiny model,
+driven by the official openai SDK. The tiny model's weights are random: what validates here
+validates because of the constraint."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_harness import start_server
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=10)
+    age: int = Field(ge=0, le=120)
+    pets: list[Literal["cat", "dog", "fish"]] = Field(max_length=2)
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "rank": {"type": "integer", "minimum": 1, "maximum": 10}},
+          "required": ["city", "rank"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    process = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"],
+                           tmp_path_factory.mktemp("structured"))
+    yield process
+    assert process.stop() == 0, process.log()
+    assert "Traceback" not in process.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_sdk_parse_returns_the_pydantic_object(client, model):
+    for seed in (1, 2):
+        completion = client.chat.completions.parse(model=model, messages=MESSAGES, response_format=Person,
+                                                   max_tokens=300, temperature=1.0, seed=seed)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Person)
+
+
+def test_json_schema_streamed_and_not(client, model):
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, response_format=response_format,
+                                           max_tokens=300, temperature=0)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), SCHEMA)
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, response_format=response_format,
+                                            max_tokens=300, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == whole.choices[0].message.content
+
+
+def test_completions_take_structured_outputs(client, model):
+    regex = r"[A-Z][a-z]{2,8} [0-9]{1,3}"
+    completion = client.completions.create(model=model, prompt="Street:", max_tokens=40, n=3, temperature=1.0,
+                                           extra_body={"structured_outputs": {"regex": regex}})
+    for choice in completion.choices:
+        assert re.fullmatch(regex, choice.text) and choice.finish_reason == "stop"
+    chosen = client.completions.create(model=model, prompt="Pick:", max_tokens=10,
+                                       extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert chosen.choices[0].text in ("left", "right")
+    listed = client.completions.create(model=model, prompt="JSON:", max_tokens=200, temperature=0,  # vLLM's extra
+                                       extra_body={"response_format": {"type": "json_schema",
+                                                                       "json_schema": {"name": "p", "schema": SCHEMA}}})
+    jsonschema.validate(json.loads(listed.choices[0].text), SCHEMA)
+
+
+BAD_REQUESTS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format", "invalid JSON schema: Invalid type: foo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format", "Unimplemented keys"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": {"type": "string", "pattern": "(("}}}},
+     "response_format", "unclosed group"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "Input should be"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs", "invalid regular expression"),
+    ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs", "invalid grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice must be a list"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern", "Extra inputs"),
+    ({"structured_outputs": {"grammar": "x" * 70_000}}, "structured_outputs", "at most 65536"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "response_format",
+     "not both"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "use structured_outputs"),
+    ({"guided_choice": ["a"]}, "guided_choice", "use structured_outputs"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "generates text only"),
+    ({"modalities": ["text", "audio"]}, "modalities", "only"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    ({"web_search_options": {}}, "web_search_options", "no web search"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({"function_call": "auto"}, "function_call", "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages.0.content", "content parts of type 'image_url' are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+     "messages.0.content", "'input_audio' are not supported"),
+]
+
+
+def test_bad_requests_are_400s_naming_the_problem_while_others_run(client, model):
+    streamed: list[str] = []
+
+    def long_request() -> None:  # runs through all the refusals below
+        stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=300, stream=True,
+                                                extra_body={"ignore_eos": True})
+        streamed.extend(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    for extra, param, message in BAD_REQUESTS:
+        body = {"messages": MESSAGES, **extra}
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, max_tokens=5, **{"messages": body.pop("messages")},
+                                           extra_body=body)
+        error = caught.value.body
+        assert caught.value.status_code == 400, extra
+        assert error["param"] == param and message in error["message"], (extra, error)
+    thread.join(120)
+    assert len(streamed) > 100
+
+
+def test_fields_that_change_nothing_are_accepted(client, model):
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=3,
+        response_format={"type": "text"}, extra_body={"modalities": ["text"], "tool_choice": "none"})
+    assert completion.choices[0].finish_reason == "length"
+
+
+def test_retrieve_model(client, model):
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert "does not exist" in caught.value.body["message"]
