@@ -15,7 +15,8 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.structured_output import GrammarCompiler, token_bitmasks
 from tokenmill.errors import InvalidParameterError
-from tokenmill.layers.sampler import SamplingSpec, TokenBitmask, sample
+import tokenmill.layers.sampler as sampler
+from tokenmill.layers.sampler import SamplingSpec, TokenBitmask, apply_token_bitmask_, sample
 from tokenmill.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 
 VOCAB = 49152
@@ -152,11 +153,26 @@ def test_sampler_samples_only_allowed_tokens_and_leaves_other_rows_alone():
     assert [masked[1].token_id, masked[2].token_id] == [free[1].token_id, free[2].token_id]
 
 
-def test_grammar_wins_over_min_tokens_bans():
-    logits = torch.randn(1, VOCAB)
-    spec = SamplingSpec(SamplingParams(temperature=0.0), 1, [1], [], banned_token_ids=[2])
-    (token,) = sample(logits, [spec], TokenBitmask([0], _mask_of([[2]])))
-    assert token.token_id == 2  # the grammar may only end: EOS, although min_tokens bans it
+@pytest.mark.parametrize("vocab", [VOCAB, 1000, 33, 17])
+def test_bitmask_kernel_equals_the_pytorch_path(monkeypatch, vocab):
+    torch.manual_seed(vocab)
+    logits = torch.randn(5, vocab)
+    bitmask = torch.randint(-(1 << 31), 1 << 31, (3, (vocab + 31) // 32), dtype=torch.int64).to(torch.int32)
+    bitmask[0, 0] = -1  # a word with every token allowed
+    bitmask[1, -1] = 0  # and one with none, at the tail
+    mask = TokenBitmask([4, 0, 2], bitmask)
+    by_kernel = logits.clone()
+    apply_token_bitmask_(by_kernel, mask)
+    monkeypatch.setattr(sampler, "_bitmask_kernel_available", lambda: False)
+    by_torch = logits.clone()
+    apply_token_bitmask_(by_torch, mask)
+    assert torch.equal(by_kernel, by_torch)
+    expected = logits.clone()
+    for r, row in enumerate(mask.rows):
+        for t in range(vocab):
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                expected[row, t] = float("-inf")
+    assert torch.equal(by_torch, expected)
 
 
 # ---- end to end on the tiny model -----------------------------------------------------------
@@ -258,6 +274,17 @@ def test_stop_strings_end_a_constrained_output(llm):
                               use_tqdm=False)
     assert stopped.outputs[0].finish_reason == "stop"
     assert text.startswith(stopped.outputs[0].text) and stop not in stopped.outputs[0].text
+
+
+def test_grammar_wins_over_min_tokens(llm, tokenizer):
+    # the grammar allows one token, which is also a stop token banned until min_tokens: the grammar wins
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    params = _constrained(StructuredOutputsParams(regex="a"), stop_token_ids=[a], min_tokens=3, max_tokens=5)
+    (output,) = llm.generate(["x"], params, use_tqdm=False)
+    assert output.outputs[0].token_ids == [a] and output.outputs[0].finish_reason == "stop"
+    free = _constrained(StructuredOutputsParams(regex="[a-z]+"), min_tokens=8, max_tokens=8, temperature=1.0, seed=1)
+    (output,) = llm.generate(["x"], free, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8  # where the grammar has a choice, min_tokens holds
 
 
 def test_a_bad_constraint_fails_only_its_request(llm):

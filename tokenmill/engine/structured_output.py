@@ -121,9 +121,10 @@ class GrammarCompiler:
         return CompiledGrammar(spec.key, template, executor, self.vocab_size)
 
     def prepare(self) -> None:
-        """Build llguidance's view of the tokenizer now rather than on the first constrained request."""
+        """Build llguidance's view of the tokenizer, and its first mask, now rather than on the first
+        constrained request (together 1-3 s here: the first mask builds the token trie)."""
         try:
-            self._backend()
+            token_bitmasks([self.compile(StructuredOutputsParams(json_object=True)).new_matcher()])
         except InvalidParameterError:  # a slow tokenizer: constrained requests will say so
             pass
 

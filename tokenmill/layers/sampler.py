@@ -146,30 +146,32 @@ class TokenBitmask:
         return bits.reshape(len(self.rows), -1)[:, :vocab_size].bool()
 
 
-def _apply_token_bitmask(logits: torch.Tensor, unbanned: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
-    """Forbidden tokens get -inf. A row whose bans (min_tokens) leave nothing the grammar allows
-    keeps the grammar's tokens without the bans: the grammar wins."""
-    rows = torch.tensor(mask.rows, device=logits.device)
+def apply_token_bitmask_(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    """The tokens mask's rows may not sample get -inf, in place."""
+    rows = torch.tensor(mask.rows, dtype=torch.int64, device=logits.device)
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1
+            and _bitmask_kernel_available()):
+        torch.ops.tokenmill.apply_token_bitmask_.default(logits, rows, mask.bitmask.contiguous())
+        return
     allowed = mask.allowed(logits.shape[1], logits.device)
-    masked = logits[rows].masked_fill(~allowed, float("-inf"))
-    stuck = masked.amax(dim=-1) == float("-inf")
-    if bool(stuck.any()):
-        masked = torch.where(stuck[:, None], unbanned[rows].masked_fill(~allowed, float("-inf")), masked)
-    return logits.index_put((rows,), masked)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+_bitmask_kernel_available = kernels_available  # a name of this module's own, for tests to switch off
 
 
 def sample(logits: torch.Tensor, specs: list[SamplingSpec], mask: TokenBitmask | None = None) -> list[SampledToken]:
-    """logits: [B, V] float32 raw model logits, one row per spec; `mask` limits some rows' tokens."""
+    """logits: [B, V] float32 raw model logits, one row per spec; `mask` limits some rows' tokens
+    (structured outputs), and its rows of `logits` are overwritten."""
     device = logits.device
     max_logprobs = max((s.params.logprobs for s in specs if s.params.logprobs is not None), default=None)
     raw_logprobs = logits.log_softmax(dim=-1) if max_logprobs is not None else None
 
-    unbanned = logits
+    if mask is not None and mask.rows:
+        apply_token_bitmask_(logits, mask)
     logits = _apply_logit_bias_and_bans(logits, specs)
     if any(s.params.has_penalties for s in specs):
         logits = _apply_penalties(logits, specs)
-    if mask is not None and mask.rows:
-        logits = _apply_token_bitmask(logits, unbanned, mask)
 
     is_greedy = [s.params.is_greedy for s in specs]
     token_ids = argmax(logits)

@@ -89,15 +89,36 @@ class ModelRunner:
         if logits is None:
             return []
         requests = [s.sampling for s in scheduler_output.sequences if s.sampling is not None]
-        return sample(logits, [sampling_spec(r) for r in requests], grammar_mask(requests))
+        specs = [sampling_spec(r) for r in requests]
+        return sample(logits, specs, grammar_mask(requests, specs))
 
 
-def grammar_mask(requests: list[SamplingRequest]) -> TokenBitmask | None:
-    """The allowed tokens of the sequences under a grammar (structured outputs), or None."""
+def grammar_mask(requests: list[SamplingRequest], specs: list[SamplingSpec]) -> TokenBitmask | None:
+    """The allowed tokens of the sequences under a grammar (structured outputs), or None. A
+    sequence's bans (its stop tokens before min_tokens) come off its mask, unless nothing would be
+    left: then the grammar, which may only end there, wins over min_tokens."""
     rows = [i for i, r in enumerate(requests) if r.allowed_token_bitmask is not None]
     if not rows:
         return None
-    return TokenBitmask(rows, torch.stack([requests[i].allowed_token_bitmask for i in rows]))
+    bitmasks = []
+    for i in rows:
+        bitmask = requests[i].allowed_token_bitmask
+        if specs[i].banned_token_ids:
+            without_bans = bitmask.clone()
+            for token_id in specs[i].banned_token_ids:
+                word, bit = divmod(token_id, 32)
+                if word < len(without_bans):
+                    without_bans[word] &= _int32(~(1 << bit))
+            if bool(without_bans.any()):
+                bitmask = without_bans
+            else:
+                specs[i].banned_token_ids = []
+        bitmasks.append(bitmask)
+    return TokenBitmask(rows, torch.stack(bitmasks))
+
+
+def _int32(value: int) -> int:
+    return (value + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 def sampling_spec(request: SamplingRequest) -> SamplingSpec:
