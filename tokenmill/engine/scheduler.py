@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler_output import SamplingRequest, ScheduledSequence, SchedulerOutput
+from tokenmill.engine.scheduler_output import SamplingRequest, ScheduledSequence, SchedulerOutput, TokenBitmaskRow
 from tokenmill.engine.structured_output import token_bitmasks
 from tokenmill.errors import RequestTooLongError
 from tokenmill.outputs import Logprob, SampledToken
@@ -35,6 +36,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-masks")
 
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -109,13 +111,15 @@ class Scheduler:
 
     def _add_token_bitmasks(self, output: SchedulerOutput) -> None:
         """Structured outputs: what each constrained sequence that samples may sample next, computed
-        for all of them at once."""
+        for all of them at once. The matchers are not touched again before update(), which comes
+        after the sampler has waited for the masks."""
         constrained = [(seq.sampling, self.requests[seq.request_id].grammar) for seq in output.sequences
                        if seq.sampling is not None and self.requests[seq.request_id].grammar is not None]
         if constrained:
-            bitmasks = token_bitmasks([grammar for _, grammar in constrained])
-            for (sampling, _), bitmask in zip(constrained, bitmasks):
-                sampling.allowed_token_bitmask = bitmask
+            # llguidance works without the GIL: the masks are ready by the time the logits are
+            batch = self._mask_thread.submit(token_bitmasks, [grammar for _, grammar in constrained])
+            for row, (sampling, _) in enumerate(constrained):
+                sampling.allowed_tokens = TokenBitmaskRow(batch, row)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens

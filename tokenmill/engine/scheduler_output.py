@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 import torch
 
 from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenBitmaskRow:
+    """A sequence's row of its step's structured-output bitmask, which a worker thread computes
+    while the forward pass runs: int32 [ceil(vocab / 32)], bit j of word w set when token
+    32 * w + j may come next."""
+
+    batch: Future  # of int32 [num_constrained, ceil(vocab / 32)]
+    row: int
+
+    def get(self) -> torch.Tensor:
+        return self.batch.result()[self.row]
 
 
 @dataclass
@@ -17,8 +31,7 @@ class SamplingRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far
     stop_token_ids: frozenset[int]  # tokens that end the sequence (stop_token_ids, and EOS unless ignored)
-    # structured outputs: int32 [ceil(vocab / 32)], bit j of word w set when token 32 * w + j may come next
-    allowed_token_bitmask: torch.Tensor | None = None
+    allowed_tokens: TokenBitmaskRow | None = None  # structured outputs: what may come next
 
 
 @dataclass

@@ -97,12 +97,12 @@ def grammar_mask(requests: list[SamplingRequest], specs: list[SamplingSpec]) -> 
     """The allowed tokens of the sequences under a grammar (structured outputs), or None. A
     sequence's bans (its stop tokens before min_tokens) come off its mask, unless nothing would be
     left: then the grammar, which may only end there, wins over min_tokens."""
-    rows = [i for i, r in enumerate(requests) if r.allowed_token_bitmask is not None]
+    rows = [i for i, r in enumerate(requests) if r.allowed_tokens is not None]
     if not rows:
         return None
     bitmasks = []
     for i in rows:
-        bitmask = requests[i].allowed_token_bitmask
+        bitmask = requests[i].allowed_tokens.get()
         if specs[i].banned_token_ids:
             without_bans = bitmask.clone()
             for token_id in specs[i].banned_token_ids:
