@@ -22,7 +22,7 @@ def spec(params: SamplingParams, seed: int = 0, output: list[int] | None = None,
     "kwargs",
     [
         {"temperature": -0.1}, {"temperature": 2.5}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -2}, {"top_k": 0},
-        {"n": 0}, {"n": 17}, {"min_p": 1.5}, {"max_tokens": 0}, {"logprobs": 21}, {"repetition_penalty": 0.0},
+        {"n": 0}, {"n": 17}, {"min_p": 1.5}, {"max_tokens": -1}, {"logprobs": 21}, {"repetition_penalty": 0.0},
         {"presence_penalty": 3.0}, {"frequency_penalty": -2.5}, {"min_tokens": 5, "max_tokens": 2},
         {"stop": [""]}, {"stop": ["x"] * 17}, {"logit_bias": {1: 200.0}},
     ],

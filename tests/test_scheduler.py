@@ -11,7 +11,7 @@ from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.errors import RequestTooLongError
-from tokenmill.outputs import SampledToken
+from tokenmill.outputs import ModelRunnerOutput, SampledToken
 from tokenmill.sampling_params import SamplingParams
 
 EOS = 0
@@ -71,7 +71,7 @@ def fake_step(scheduler: Scheduler, model: FakeModel, check) -> list[Request]:
     """Schedule, run the fake model (which samples a deterministic token per sampling sequence), update."""
     output = scheduler.schedule()
     check(output)
-    return scheduler.update(output, model.run(output))
+    return scheduler.update(output, ModelRunnerOutput(model.run(output)))
 
 
 SHARED_PREFIX = [(i * 7) % 4 + 1 for i in range(48)]  # many requests start with some of it: prefix hits
@@ -171,7 +171,7 @@ def test_decodes_keep_running_during_chunked_prefill():
         ids = {s.request_id: len(s.token_ids) for s in output.sequences}
         assert ids["short"] == 1  # the decode is never starved by the long prefill
         assert ids["long"] == 7
-        scheduler.update(output, [SampledToken(5) for s in output.sequences if s.sampling is not None])
+        scheduler.update(output, ModelRunnerOutput([SampledToken(5) for s in output.sequences if s.sampling is not None]))
 
 
 def test_preempts_most_recent_and_requeues_at_head():
@@ -184,7 +184,7 @@ def test_preempts_most_recent_and_requeues_at_head():
     for step in range(1, 6):
         output = scheduler.schedule()
         preempted += output.preempted_request_ids
-        scheduler.update(output, [SampledToken(9) for s in output.sequences if s.sampling is not None])
+        scheduler.update(output, ModelRunnerOutput([SampledToken(9) for s in output.sequences if s.sampling is not None]))
     assert preempted and set(preempted) == {"second"}
     assert scheduler.waiting[0] is second and second.status == RequestStatus.PREEMPTED
     assert second.num_computed_tokens == 0
@@ -200,7 +200,7 @@ def test_parallel_samples_share_prompt_blocks():
     scheduler.add_request(sibling)
     output = scheduler.schedule()
     assert [s.request_id for s in output.sequences] == ["r#0"]  # sibling waits for the prompt's blocks
-    scheduler.update(output, [SampledToken(7)])
+    scheduler.update(output, ModelRunnerOutput([SampledToken(7)]))
     output = scheduler.schedule()
     sibling_seq = next(s for s in output.sequences if s.request_id == "r#1")
     assert sibling_seq.num_computed_tokens == 12  # three cached blocks reused

@@ -4,7 +4,7 @@ CompletionOutput shapes)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -28,6 +28,17 @@ class SampledToken:
 
 # One entry per generated token: token id -> Logprob (the chosen one plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token, the same way; the first token has none.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step computed: a token for each sequence that samples, in order, and the prompt
+    logprobs of the prompt tokens it scored (request id -> entries, in prompt order)."""
+
+    sampled: list[SampledToken]
+    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +98,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: BaseException | None = None  # the request failed (finish reason "error")
+    prompt_logprobs: PromptLogprobs | None = None  # with DELTA outputs: in the first one only
 
 
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -106,4 +118,5 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     first.outputs.sort(key=lambda c: c.index)
     first.finished, first.metrics, first.error = later.finished, later.metrics, later.error
     first.num_cached_tokens = later.num_cached_tokens
+    first.prompt_logprobs = first.prompt_logprobs or later.prompt_logprobs
     return first

@@ -85,7 +85,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """Sampling parameters for one request (vLLM's names and defaults).
 
-    temperature 0 means greedy. max_tokens None means "up to max_model_len".
+    temperature 0 means greedy. max_tokens None means "up to max_model_len"; 0 means the prompt
+    only (with prompt_logprobs: score a text without generating).
     """
 
     n: int = 1
@@ -104,6 +105,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k of every prompt token (the first has none)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
@@ -164,14 +166,17 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= number("frequency_penalty") <= 2.0:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be a positive integer")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise bad("max_tokens", "must be a non-negative integer")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer")
         if len(self.stop_strings) > MAX_STOP_STRINGS:

@@ -184,7 +184,7 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         try:
-            sampled = self.executor.execute(scheduler_output)
+            result = self.executor.execute(scheduler_output)
         except EngineDeadError:
             raise
         except Exception as exc:  # find the request that causes it; everything else goes on
@@ -192,7 +192,7 @@ class LLMEngine:
                          type(exc).__name__, len(scheduler_output.sequences), exc_info=exc)
             outputs, num_sampled = self._step_one_at_a_time(scheduler_output)
         else:
-            updated = self.scheduler.update(scheduler_output, sampled)
+            updated = self.scheduler.update(scheduler_output, result)
             outputs, num_sampled = self.outputs.process(updated), len(updated)
         self.num_steps += 1
         self.last_step = StepStats.from_schedule(scheduler_output, num_sampled, start, time.time() - start)
@@ -206,7 +206,7 @@ class LLMEngine:
                 continue
             alone = SchedulerOutput([seq])
             try:
-                sampled = self.executor.execute(alone)
+                result = self.executor.execute(alone)
             except EngineDeadError:
                 raise
             except Exception as exc:
@@ -216,7 +216,7 @@ class LLMEngine:
                 if failed is not None:
                     outputs.append(failed)
                 continue
-            updated = self.scheduler.update(alone, sampled)
+            updated = self.scheduler.update(alone, result)
             num_sampled += len(updated)
             outputs += self.outputs.process(updated)
         return outputs, num_sampled

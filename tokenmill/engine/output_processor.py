@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.outputs import CompletionOutput, OutputKind, RequestMetrics, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, OutputKind, PromptLogprobs, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -22,6 +22,7 @@ class _Group:
     detokenizers: list[IncrementalDetokenizer]
     kind: OutputKind
     num_reported: list[int]  # DELTA: tokens of each sample already sent
+    sent_prompt_logprobs: bool = False  # DELTA: the prompt logprobs went out
 
     @property
     def is_finished(self) -> bool:
@@ -51,7 +52,9 @@ class OutputProcessor:
         for request in updated:
             group, index = self._child_to_group[request.request_id]
             detokenizer = group.detokenizers[index]
-            if request.status == RequestStatus.FINISHED_STOPPED and request.output_token_ids[-1] in request.stop_token_ids:
+            if not request.output_token_ids:  # max_tokens 0: the prompt only
+                text = detokenizer.finish()
+            elif request.status == RequestStatus.FINISHED_STOPPED and request.output_token_ids[-1] in request.stop_token_ids:
                 text = detokenizer.finish()  # the stop or EOS token adds no text
             else:
                 text = detokenizer.add_token(request.output_token_ids[-1], flush=request.is_finished)
@@ -59,8 +62,8 @@ class OutputProcessor:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                     # also when the length limit already ended it on the token that completed the stop string
                     request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_string
-            if request.logprobs is not None:
-                self._decode_logprobs(request)
+            if request.logprobs is not None and request.logprobs:
+                self._decode_logprobs(request.logprobs[-1])
             texts_by_group.setdefault(group.request_id, {})[index] = text
         outputs = []
         for group_id, texts in texts_by_group.items():
@@ -79,10 +82,21 @@ class OutputProcessor:
             output.error = error
         return output
 
-    def _decode_logprobs(self, request: Request) -> None:
-        for token_id, logprob in request.logprobs[-1].items():
+    def _decode_logprobs(self, entry: dict[int, Logprob]) -> None:
+        for token_id, logprob in entry.items():
             if logprob.decoded_token is None:
                 logprob.decoded_token = self.tokenizer.decode([token_id])
+
+    def _prompt_logprobs(self, group: _Group) -> PromptLogprobs | None:
+        """The prompt logprobs of the group (its first sample scores the prompt), decoded, once its
+        prompt is scored; with DELTA outputs only in the first output after that."""
+        scored = group.children[0].prompt_logprobs
+        if scored is None or len(scored) < len(group.prompt_token_ids) or group.sent_prompt_logprobs:
+            return None
+        for entry in scored[1:]:
+            self._decode_logprobs(entry)
+        group.sent_prompt_logprobs = group.kind is OutputKind.DELTA
+        return scored
 
     def _output(self, group: _Group, texts: dict[int, str]) -> RequestOutput | None:
         """This step's output of the group (None for FINAL_ONLY before the end); forgets it when done."""
@@ -111,7 +125,8 @@ class OutputProcessor:
                                             logprobs=logprobs))
         return RequestOutput(request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
                              outputs=samples, finished=finished, metrics=_group_metrics(group.children),
-                             num_cached_tokens=group.children[0].num_cached_tokens)
+                             num_cached_tokens=group.children[0].num_cached_tokens,
+                             prompt_logprobs=self._prompt_logprobs(group))
 
 
 def _group_metrics(children: list[Request]) -> RequestMetrics:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenmill.outputs import Logprob, RequestMetrics
+from tokenmill.outputs import Logprob, PromptLogprobs, RequestMetrics
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class Request:
     stop_reason: int | str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # [None] + one entry per prompt token scored so far
     block_hashes: list[bytes] = field(default_factory=list)  # content hash of each full block
     grammar: GrammarMatcher | None = None  # structured outputs: advanced by every kept output token
 
@@ -77,6 +78,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None and self.index == 0:  # one sample scores the prompt
+            self.prompt_logprobs = [None]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +96,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens still to score: its prompt must be computed, not read from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_prefill_done(self) -> bool:

@@ -16,10 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler_output import SamplingRequest, ScheduledSequence, SchedulerOutput, TokenBitmaskRow
+from tokenmill.engine.scheduler_output import (
+    PromptLogprobsRequest, SamplingRequest, ScheduledSequence, SchedulerOutput, TokenBitmaskRow,
+)
 from tokenmill.engine.structured_output import token_bitmasks
 from tokenmill.errors import RequestTooLongError
-from tokenmill.outputs import Logprob, SampledToken
+from tokenmill.outputs import Logprob, ModelRunnerOutput, SampledToken
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ class Scheduler:
             if leader is not None and not leader.is_finished and not leader.is_prefill_done:
                 break  # wait one step or two so the siblings can share the prompt's blocks
             hits, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate_slots(request, num_new, hits) is None:
@@ -124,7 +126,7 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
         sampling = None
-        if start + num_new == request.num_tokens:  # the step reaches the sequence's end: sample its next token
+        if start + num_new == request.num_tokens and request.max_tokens > 0:  # reaches the end: sample next
             sampling = SamplingRequest(request.sampling_params, request.seed, request.prompt_token_ids,
                                        request.output_token_ids, request.stop_token_ids)
         return ScheduledSequence(
@@ -133,6 +135,7 @@ class Scheduler:
             num_computed_tokens=start,
             block_ids=self.kv_cache.block_ids(request.request_id),
             sampling=sampling,
+            prompt_logprobs=_prompt_logprobs_request(request, start, num_new),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -143,16 +146,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[Request]:
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance each scheduled request; returns those that got a new token (finished ones included)."""
         now = time.time()
-        sampled_iter = iter(sampled)
+        sampled_iter = iter(result.sampled)
         updated = []
         for seq in output.sequences:
             request = self.requests[seq.request_id]
             request.num_computed_tokens += len(seq.token_ids)
             self.kv_cache.cache_computed_blocks(request)  # their KV is written now
+            if seq.prompt_logprobs is not None:
+                request.prompt_logprobs += result.prompt_logprobs[seq.request_id]
             if seq.sampling is None:
+                if request.max_tokens == 0 and request.is_prefill_done:  # the prompt only: done
+                    request.status = RequestStatus.FINISHED_LENGTH
+                    updated.append(request)
                 continue
             token = next(sampled_iter)
             request.append_output_token(token.token_id)
@@ -201,6 +209,19 @@ class Scheduler:
         self.kv_cache.free(request)
         request.metrics.finished_time = time.time()
         del self.requests[request.request_id]
+
+
+def _prompt_logprobs_request(request: Request, start: int, num_new: int) -> PromptLogprobsRequest | None:
+    """The prompt tokens this step's new tokens score that are not scored yet (a recompute after
+    preemption scores nothing twice): the logits at position p score prompt token p + 1."""
+    if not request.needs_prompt_logprobs:
+        return None
+    first = max(start, len(request.prompt_logprobs) - 1)
+    end = min(start + num_new, request.num_prompt_tokens - 1)
+    if end <= first:
+        return None
+    return PromptLogprobsRequest(first - start, request.prompt_token_ids[first + 1: end + 1],
+                                 request.sampling_params.prompt_logprobs)
 
 
 def _logprob_entry(token: SampledToken) -> dict[int, Logprob]:

@@ -35,6 +35,16 @@ class SamplingRequest:
 
 
 @dataclass
+class PromptLogprobsRequest:
+    """Prompt logprobs to score this step: the logits of new tokens [offset, offset + len(target_token_ids))
+    of the sequence, each for the prompt token that follows it."""
+
+    offset: int
+    target_token_ids: list[int]
+    num_top: int
+
+
+@dataclass
 class ScheduledSequence:
     """New tokens of one sequence for this step (a prefill chunk or one decode token)."""
 
@@ -43,6 +53,7 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the KV cache before them
     block_ids: list[int]  # the sequence's block table
     sampling: SamplingRequest | None  # set when this step reaches the end of the sequence
+    prompt_logprobs: PromptLogprobsRequest | None = None
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.models.loader import LoadedModel
-from tokenmill.outputs import SampledToken
+from tokenmill.outputs import ModelRunnerOutput
 
 if TYPE_CHECKING:  # the boundary type only; the executor never looks inside it
     from tokenmill.engine.scheduler_output import SchedulerOutput
@@ -25,7 +25,7 @@ class Executor(Protocol):
 
     def init_kv_cache(self, num_blocks: int) -> None: ...
 
-    def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]: ...
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def check_health(self) -> None: ...
 

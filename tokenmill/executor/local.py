@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.models.loader import LoadedModel, load_model
-from tokenmill.outputs import SampledToken
+from tokenmill.outputs import ModelRunnerOutput
 from tokenmill.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class LocalExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size, self.device, self.dtype)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
 
     def check_health(self) -> None:

@@ -32,7 +32,7 @@ from tokenmill.errors import EngineDeadError
 from tokenmill.layers.parallel import Communicator
 from tokenmill.models.loader import LoadedModel, load_model, load_model_config
 from tokenmill.models.sharding import check_divisible
-from tokenmill.outputs import SampledToken
+from tokenmill.outputs import ModelRunnerOutput
 from tokenmill.worker.forward_input import ForwardInput
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -172,7 +172,7 @@ class TensorParallelExecutor:
             raise WorkerDiedError(f"tensor-parallel workers did not join: {exc}") from exc
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.spec.block_size, self.device, self.dtype)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()
         batch = ForwardInput.from_scheduler_output(scheduler_output)
         try:

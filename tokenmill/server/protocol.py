@@ -123,6 +123,7 @@ class _GenerationRequest(_Body):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
 
     @property
     def include_usage(self) -> bool:
@@ -144,7 +145,8 @@ class _GenerationRequest(_Body):
         return StructuredOutputsParams(json=body.json_schema, json_object=body.json_object is True, regex=body.regex,
                                        choice=body.choice, grammar=body.grammar, param="structured_outputs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -163,6 +165,7 @@ class _GenerationRequest(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
 
 
@@ -172,7 +175,7 @@ class CompletionRequest(_GenerationRequest):
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; 0 with echo scores a prompt (lm-eval)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

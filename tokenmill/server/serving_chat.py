@@ -10,8 +10,8 @@ from starlette.types import Receive
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_common import (
-    ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds, run_unless_disconnected, sse_response,
-    stream_updates, top_entries, usage,
+    ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds, prompt_logprobs_json, run_unless_disconnected,
+    sse_response, stream_updates, top_entries, usage,
 )
 
 
@@ -38,7 +38,10 @@ async def create_chat_completion(
     if body.stream:
         return sse_response(_chunks(body, header, streams, num_top, log), log)
     (final,) = await run_unless_disconnected(collect(streams), receive)
-    return JSONResponse(_response(header, final, num_top, log))
+    response = _response(header, final, num_top, log)
+    if body.prompt_logprobs is not None and final.prompt_logprobs is not None:  # vLLM's extra
+        response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+    return JSONResponse(response)
 
 
 def _response(header: dict, final: RequestOutput, num_top: int | None, log: ResponseLog) -> dict:

@@ -18,7 +18,7 @@ from starlette.types import Receive
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.errors import InvalidParameterError, ModelNotFoundError, ServerBusyError, TokenmillError
-from tokenmill.outputs import Logprob, RequestOutput, merge_deltas
+from tokenmill.outputs import Logprob, PromptLogprobs, RequestOutput, merge_deltas
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import error_body
 from tokenmill.server.metrics import ServingMetrics
@@ -164,6 +164,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def prompt_logprobs_json(entries: PromptLogprobs) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first token, then token id -> logprob, rank, decoded token."""
+    return [None if entry is None else
+            {str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for token_id, lp in entry.items()} for entry in entries]
+
+
 def top_entries(entry: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
     """The `limit` most likely tokens of one position, most likely first."""
     ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 0, -kv[1].logprob))
@@ -246,6 +253,7 @@ class ChoiceUpdate:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None  # of the choice's prompt, once the engine scored it
 
 
 @dataclass
@@ -255,8 +263,11 @@ class ChoiceTracker:
     n: int
     num_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by prompt index
 
     def updates(self, prompt_index: int, output: RequestOutput) -> list[ChoiceUpdate]:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = output.prompt_logprobs
         result = []
         for sample in output.outputs:
             index = prompt_index * self.n + sample.index
@@ -267,7 +278,8 @@ class ChoiceTracker:
                 self.finished.add(index)
             elif not sample.text and not sample.token_ids:
                 continue
-            result.append(ChoiceUpdate(index, sample.text, sample.token_ids, sample.logprobs, sample.finish_reason))
+            result.append(ChoiceUpdate(index, sample.text, sample.token_ids, sample.logprobs, sample.finish_reason,
+                                       self.prompt_logprobs.get(prompt_index)))
         return result
 
     @property

@@ -7,13 +7,13 @@ import mmap
 
 import torch
 
-from tokenmill.engine.scheduler_output import SamplingRequest, SchedulerOutput
+from tokenmill.engine.scheduler_output import PromptLogprobsRequest, SamplingRequest, SchedulerOutput
 from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry
 from tokenmill.layers.cpu_attention import default_attention_backend
 from tokenmill.layers.sampler import SamplingSpec, TokenBitmask, sample
 from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.llama import DecoderForCausalLM
-from tokenmill.outputs import SampledToken
+from tokenmill.outputs import Logprob, ModelRunnerOutput
 from tokenmill.worker.forward_input import ForwardInput
 
 
@@ -52,8 +52,8 @@ class ModelRunner:
         self.decode_plan = DecodePlan(model, self.kv_caches) if DecodePlan.applies(self.backend) else None
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> list[SampledToken]:
-        """Run one step; returns one sampled token per sequence that samples, in order."""
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: one sampled token per sequence that samples, in order, and prompt logprobs."""
         return self.sample(scheduler_output, self.forward(ForwardInput.from_scheduler_output(scheduler_output)))
 
     @torch.inference_mode()
@@ -73,24 +73,33 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, metadata.positions, ctx)
 
-        logits_rows, end = [], 0
-        for ids, needs_logits in zip(batch.token_ids, batch.needs_logits):
-            end += len(ids)
-            if needs_logits:
-                logits_rows.append(end - 1)
+        logits_rows = batch.logits_rows()
         if not logits_rows:
             return None
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))  # [num_logits, vocab]
 
     @torch.inference_mode()
-    def sample(self, scheduler_output: SchedulerOutput, logits: torch.Tensor | None) -> list[SampledToken]:
-        """One token for each sequence that samples, from its row of `logits`."""
+    def sample(self, scheduler_output: SchedulerOutput, logits: torch.Tensor | None) -> ModelRunnerOutput:
+        """One token for each sequence that samples, from its row of `logits` (the rows forward()
+        returned), and the prompt logprobs of the rows that score prompt tokens."""
         if logits is None:
-            return []
+            return ModelRunnerOutput([])
+        sampling_rows, prompt_logprobs, row = [], {}, 0
+        for seq in scheduler_output.sequences:
+            if seq.prompt_logprobs is not None:
+                count = len(seq.prompt_logprobs.target_token_ids)
+                prompt_logprobs[seq.request_id] = score_prompt(logits[row: row + count], seq.prompt_logprobs)
+                row += count
+            if seq.sampling is not None:
+                sampling_rows.append(row)
+                row += 1
+        if len(sampling_rows) != logits.shape[0]:
+            logits = logits[sampling_rows]
         requests = [s.sampling for s in scheduler_output.sequences if s.sampling is not None]
         specs = [sampling_spec(r) for r in requests]
-        return sample(logits, specs, grammar_mask(requests, specs))
+        sampled = sample(logits, specs, grammar_mask(requests, specs)) if requests else []
+        return ModelRunnerOutput(sampled, prompt_logprobs)
 
 
 def grammar_mask(requests: list[SamplingRequest], specs: list[SamplingSpec]) -> TokenBitmask | None:
@@ -119,6 +128,25 @@ def grammar_mask(requests: list[SamplingRequest], specs: list[SamplingSpec]) -> 
 
 def _int32(value: int) -> int:
     return (value + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+def score_prompt(logits: torch.Tensor, request: PromptLogprobsRequest) -> list[dict[int, Logprob]]:
+    """logits: float32 [N, vocab], row i scoring prompt token target_token_ids[i]. Each entry: the
+    token's logprob and rank, and the top num_top; reduced on the logits' device."""
+    logprobs = logits.log_softmax(dim=-1)
+    targets = torch.tensor(request.target_token_ids, dtype=torch.int64, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, targets)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(max(1, request.num_top), dim=-1)
+    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
+    top_values, top_ids = top_values[:, : request.num_top].tolist(), top_ids[:, : request.num_top].tolist()
+    entries = []
+    for i, token_id in enumerate(request.target_token_ids):
+        entry = {token_id: Logprob(chosen[i], ranks[i])}
+        for rank, (top_id, value) in enumerate(zip(top_ids[i], top_values[i]), start=1):
+            entry.setdefault(top_id, Logprob(value, rank))
+        entries.append(entry)
+    return entries
 
 
 def sampling_spec(request: SamplingRequest) -> SamplingSpec:

@@ -1,6 +1,7 @@
-"""Structured outputs and the API's refusals through a real `tokenmill serve` on the tiny model,
-driven by the official openai SDK. The tiny model's weights are random: what validates here
-validates because of the constraint."""
+"""What apps and eval harnesses use beyond plain generation, through a real `tokenmill serve` on the
+tiny model and the official openai SDK: structured outputs, prompt logprobs (lm-eval's echo +
+logprobs), the refusals of what we do not implement, /v1/models/{id}. The tiny model's weights are
+random: what validates here validates because of the constraint."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 from server_harness import start_server
+
+from tokenmill import SamplingParams
 
 
 class Person(BaseModel):
@@ -151,3 +154,61 @@ def test_retrieve_model(client, model):
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("no-such-model")
     assert "does not exist" in caught.value.body["message"]
+
+
+LOGLIKELIHOOD_PROMPT = "Question: what turns a water mill? Answer: the river"
+
+
+def test_echo_logprobs_with_max_tokens_zero_is_lm_evals_loglikelihood(client, model, tiny_llm):
+    (offline,) = tiny_llm.generate([LOGLIKELIHOOD_PROMPT], SamplingParams(max_tokens=0, prompt_logprobs=1),
+                                   use_tqdm=False)
+    ids = offline.prompt_token_ids
+    completion = client.completions.create(model=model, prompt=LOGLIKELIHOOD_PROMPT, echo=True, logprobs=1,
+                                           max_tokens=0, temperature=0)
+    choice = completion.choices[0]
+    assert choice.text == LOGLIKELIHOOD_PROMPT and choice.finish_reason == "length"
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) and "".join(logprobs.tokens) == LOGLIKELIHOOD_PROMPT
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = [offline.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(ids))]
+    assert completion.usage.completion_tokens == 0
+
+
+def test_echo_logprobs_then_completion_streamed_and_not(client, model):
+    kwargs = dict(model=model, prompt=LOGLIKELIHOOD_PROMPT, echo=True, logprobs=2, max_tokens=4, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    num_prompt = len(whole.logprobs.tokens) - 4
+    assert whole.text.startswith(LOGLIKELIHOOD_PROMPT) and whole.logprobs.token_logprobs[0] is None
+    assert all(v is not None for v in whole.logprobs.token_logprobs[1:])
+    assert whole.logprobs.text_offset[num_prompt] == len(LOGLIKELIHOOD_PROMPT)
+    tokens, values, text = [], [], ""
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+    assert text == whole.text and tokens == whole.logprobs.tokens
+    assert values[0] is None and values[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_prompt_logprobs_extra_in_both_apis(client, model):
+    completion = client.completions.create(model=model, prompt=LOGLIKELIHOOD_PROMPT, max_tokens=1,
+                                           extra_body={"prompt_logprobs": 2})
+    scored = completion.choices[0].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) > 5
+    assert all(len(entry) in (2, 3) and all({"logprob", "rank", "decoded_token"} <= set(v) for v in entry.values())
+               for entry in scored[1:])
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    scored = chat.model_extra["prompt_logprobs"]
+    assert scored[0] is None and all(len(entry) == 1 for entry in scored[1:])
+
+
+def test_max_tokens_zero_needs_echo(client, model):
+    with pytest.raises(openai.BadRequestError, match="needs echo"):
+        client.completions.create(model=model, prompt="x", max_tokens=0)
