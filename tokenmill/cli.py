@@ -62,6 +62,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve_parser(sub) -> None:
+    from tokenmill.server.reasoning import REASONING_PARSERS
+    from tokenmill.server.tool_calls import TOOL_PARSERS
+
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     serve.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -83,6 +86,12 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--quantization", default="auto", choices=QUANTIZATION_ARGS, help=QUANTIZATION_HELP)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--log-prompts", action="store_true", help="include request bodies in the access log")
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template to use instead of the model's")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how to read tool calls (default: from the chat template's format)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="put a reasoning model's <think> text in reasoning_content, out of content")
     serve.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=16 * 1024 * 1024)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--cost-per-hour", type=float, default=None,

@@ -49,17 +49,19 @@ class InputProcessor:
             return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         return list(prompt)
 
-    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat template writes it."""
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The conversation (and the tools it may call) as the model's chat template writes it."""
         if not self.tokenizer.chat_template:
             raise InvalidParameterError("this model has no chat template", param="messages")
         try:
-            return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, tools=tools or None,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja2 errors raised by the template itself (e.g. role order)
             raise InvalidParameterError(f"the chat template rejected the messages: {exc}", param="messages") from exc
 
-    def tokenize_chat(self, conversation: Conversation, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def tokenize_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
+                      tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """The rendered conversation and its token ids (the template writes the special tokens)."""
-        prompt = self.render_chat(conversation, add_generation_prompt)
+        prompt = self.render_chat(conversation, add_generation_prompt, tools)
         return prompt, self.tokenize(prompt, add_special_tokens=False)

@@ -231,7 +231,11 @@ async def _tokenize(ctx: ServerContext, body: TokenizeRequest, receive, log: Res
     if body.messages is not None:
         conversation = to_conversation(body.messages)
         ctx.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
-        _, tokens = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        prompt, tokens = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt, tools)
+        if body.return_prompt:
+            return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len,
+                                 "prompt": prompt})
     else:
         ctx.check_text_length(len(body.prompt), "prompt")
         tokens = await ctx.off_loop(ctx.inputs.tokenize, body.prompt, body.add_special_tokens)

@@ -17,8 +17,10 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.device_peaks import known_peaks, measure_cpu_when_idle
 from tokenmill.engine.engine_core import LLMEngine
 from tokenmill.engine.metrics import CostModel, UtilizationWindow
+from tokenmill.errors import TokenmillError
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from tokenmill.server.metrics import ServingMetrics
+from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.serving_common import ServerContext
 
 logger = logging.getLogger("tokenmill.server")
@@ -56,6 +58,16 @@ class ServeOptions:
     rendezvous: object | None = None  # set under torchrun (tokenmill.cli)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
+    chat_template: str | None = None  # a Jinja file that replaces the model's chat template
+    tool_call_parser: str | None = None  # default: the format the chat template writes
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think> text -> reasoning_content
+
+
+def read_chat_template(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise TokenmillError(f"--chat-template: cannot read {path}: {exc.strerror}") from None
 
 
 class DrainingServer(uvicorn.Server):
@@ -110,6 +122,7 @@ def _cost_model(engine: LLMEngine, options: ServeOptions) -> CostModel:
 def serve(options: ServeOptions) -> int:
     """Load the model and serve until a signal drains the server; returns the exit status."""
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    chat_template = None if options.chat_template is None else read_chat_template(options.chat_template)
     engine = LLMEngine(EngineConfig(
         model=options.model,
         dtype=options.dtype,
@@ -131,8 +144,13 @@ def serve(options: ServeOptions) -> int:
     metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window))
     async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step,
                                   stall_timeout=options.stream_stall_timeout)
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts,
-                        model_aliases=frozenset({options.model} if options.model else ()))
+                        model_aliases=frozenset({options.model} if options.model else ()),
+                        tool_call_parser=options.tool_call_parser,
+                        reasoning_parser=None if options.reasoning_parser is None
+                        else REASONING_PARSERS[options.reasoning_parser])
     app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False)
     config = uvicorn.Config(
         app, host=options.host, port=options.port, log_config=None, access_log=False,

@@ -6,6 +6,7 @@ there, once; these models check shapes and the limits only the API has.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -79,10 +80,8 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, str] = {
     "audio": "is not supported: this server generates text only",
     "prediction": "(predicted outputs) is not supported",
     "web_search_options": "is not supported: this server has no web search",
-    "functions": "is not supported",
-    "function_call": "is not supported",
-    "tools": "is not supported yet: this server does not do tool calling",
-    "tool_choice": "is not supported yet: this server does not do tool calling",
+    "functions": "(the legacy form of tools) is not supported; use tools",
+    "function_call": "(the legacy form of tool_choice) is not supported; use tool_choice",
 }
 
 
@@ -90,7 +89,7 @@ def refuse_unsupported_fields(data: dict, unsupported: dict[str, str]) -> None:
     """InvalidParameterError for the first field of `data` this server cannot honour."""
     for name, why in unsupported.items():
         value = data.get(name)
-        if value is None or value == [] or (name == "tool_choice" and value == "none"):
+        if value is None or value == []:
             continue
         raise InvalidParameterError(f"{name} {why}", param=name)
     modalities = data.get("modalities")
@@ -209,14 +208,60 @@ def _text_parts_only(parts: Any) -> Any:
     return parts
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class AssistantToolCall(_Body):
+    id: str = Field(max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = Field(None, max_length=128)  # a tool's reply: to which call
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -229,9 +274,29 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict]:
         return to_conversation(self.messages)
+
+    def effective_tool_choice(self) -> str | dict:
+        """"none" without tools; OpenAI's default "auto" with them; a named choice as a dict."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise InvalidParameterError("tool_choice needs tools", param="tool_choice")
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise InvalidParameterError(f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                                            f"among the tools ({', '.join(names)})", param="tool_choice")
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
+
+    def tool_dicts(self) -> list[dict]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -247,6 +312,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)  # rendered with the messages
+    return_prompt: bool = False  # also the rendered text (messages only)
 
 
 class DetokenizeRequest(_Body):
@@ -256,10 +323,31 @@ class DetokenizeRequest(_Body):
     tokens: TokenIds
 
 
-def to_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as chat templates take them."""
-    # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def to_conversation(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as chat templates take them: tool calls with their arguments as objects (where they
+    parse), which is what templates that write them with `tojson` expect."""
+    conversation = []
+    for m in messages:
+        # "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
+        message: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                     for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        conversation.append(message)
+    return conversation
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _token_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

@@ -2,17 +2,81 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
+from tokenmill.errors import InvalidParameterError
 from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.serving_common import (
     ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds, prompt_logprobs_json, run_unless_disconnected,
     sse_response, stream_updates, top_entries, usage,
 )
+from tokenmill.server.reasoning import ReasoningParser, ReasoningStream
+from tokenmill.server.tool_calls import ToolCall, ToolParser, forced_tool_calls, read_forced_calls
+
+
+@dataclass
+class ToolPlan:
+    """How a request's reply may call tools: "none", "auto" (read by the template's parser), or
+    forced ("required" / a named function: constrained JSON, read as such)."""
+
+    choice: str | dict
+    parser: ToolParser | None
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: <think> text out of the content
+
+    @property
+    def is_forced(self) -> bool:
+        return self.choice == "required" or isinstance(self.choice, dict)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The reply's message (reasoning, content and/or tool_calls) and its finish reason."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+        message, finish_reason = self.content_message(text, finish_reason)
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning
+        return message, finish_reason
+
+    def content_message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The message of reasoning-free text: content and/or tool calls."""
+        calls: list[ToolCall] = []
+        content: str | None = text
+        if self.is_forced:
+            calls = read_forced_calls(text, self.choice)
+            content = None if calls else text
+        elif self.choice == "auto" and self.parser is not None:
+            content, calls = self.parser.parse(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_json() for c in calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return message, finish_reason
+
+
+def _tool_plan(ctx: ServerContext, body: ChatCompletionRequest, params: SamplingParams) -> tuple[ToolPlan, SamplingParams]:
+    choice = body.effective_tool_choice()
+    if choice == "none":
+        return ToolPlan("none", None, ctx.reasoning_parser), params
+    if ctx.tool_parser is None:
+        raise InvalidParameterError("this model's chat template does not support tools (it never mentions them); "
+                                    "give a template that does with --chat-template", param="tools")
+    plan = ToolPlan(choice, ctx.tool_parser, ctx.reasoning_parser)
+    if plan.is_forced:
+        if params.structured_outputs is not None:
+            raise InvalidParameterError("tool_choice \"required\" or a named function constrains the output "
+                                        "already: give no response_format or structured_outputs with it",
+                                        param="tool_choice")
+        forced = forced_tool_calls(body.tool_dicts(), choice, body.parallel_tool_calls)
+        params = dataclasses.replace(params, structured_outputs=forced)
+    return plan, params
 
 
 async def create_chat_completion(
@@ -21,10 +85,12 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     conversation = body.conversation()
     ctx.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
-    prompt, prompt_token_ids = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt)
     max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to max_model_len
     num_top = body.num_logprobs()
-    params = body.sampling_params(max_tokens, num_top, ctx.vocab_size)
+    plan, params = _tool_plan(ctx, body, body.sampling_params(max_tokens, num_top, ctx.vocab_size))
+    tools = body.tool_dicts() if plan.choice != "none" else None
+    prompt, prompt_token_ids = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt,
+                                                  tools)
     effective_max_tokens = ctx.validate(prompt_token_ids, params)
     await ctx.compile_grammar(params)
     ctx.check_request_tokens(body.n * (len(prompt_token_ids) + effective_max_tokens))
@@ -36,36 +102,80 @@ async def create_chat_completion(
     streams = [ctx.engine.generate(f"chatcmpl-{log.engine_id}", prompt_token_ids, params, prompt_text=prompt)]
     header = {"id": request_id, "created": now_seconds(), "model": ctx.model_name}
     if body.stream:
-        return sse_response(_chunks(body, header, streams, num_top, log), log)
+        return sse_response(_chunks(body, header, streams, num_top, plan, log), log)
     (final,) = await run_unless_disconnected(collect(streams), receive)
-    response = _response(header, final, num_top, log)
+    response = _response(header, final, num_top, plan, log)
     if body.prompt_logprobs is not None and final.prompt_logprobs is not None:  # vLLM's extra
         response["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
     return JSONResponse(response)
 
 
-def _response(header: dict, final: RequestOutput, num_top: int | None, log: ResponseLog) -> dict:
+def _response(header: dict, final: RequestOutput, num_top: int | None, plan: ToolPlan, log: ResponseLog) -> dict:
     choices = []
     for sample in final.outputs:
         logprobs = None
         if num_top is not None:
             logprobs = {"content": _logprobs(sample.logprobs or [], sample.token_ids, num_top)}
-        choices.append({
-            "index": sample.index,
-            "message": {"role": "assistant", "content": sample.text},
-            "logprobs": logprobs,
-            "finish_reason": sample.finish_reason,
-        })
+        message, finish_reason = plan.message(sample.text, sample.finish_reason)
+        choices.append({"index": sample.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason})
     log.completion_tokens = sum(len(s.token_ids) for s in final.outputs)
     log.first_token_time = final.metrics.first_token_time
     return {**header, "object": "chat.completion", "choices": choices,
             "usage": usage(log.prompt_tokens, log.completion_tokens)}
 
 
+@dataclass
+class _StreamedChoice:
+    """One choice of a stream under tools: its text so far and how much went out as content."""
+
+    text: str = ""
+    num_sent: int = 0
+    in_call: bool = False
+    reasoning: ReasoningStream | None = None
+
+
+def _stream_deltas(plan: ToolPlan, state: _StreamedChoice, text: str, finish_reason: str | None
+                   ) -> tuple[list[dict], str | None]:
+    """The deltas one update adds under `plan`: reasoning as it comes; content as soon as it cannot
+    be part of a tool call; the calls, whole, once the choice ends."""
+    if state.reasoning is None:
+        return _content_deltas(plan, state, text, finish_reason)
+    reasoning, text = state.reasoning.feed(text, finished=finish_reason is not None)
+    deltas, finish_reason = _content_deltas(plan, state, text, finish_reason)
+    return ([{"reasoning_content": reasoning}] if reasoning else []) + deltas, finish_reason
+
+
+def _content_deltas(plan: ToolPlan, state: _StreamedChoice, text: str, finish_reason: str | None
+                    ) -> tuple[list[dict], str | None]:
+    state.text += text
+    if plan.choice == "none" or (plan.choice == "auto" and plan.parser is None):
+        state.num_sent = len(state.text)
+        return ([{"content": text}] if text else []), finish_reason
+    deltas = []
+    if plan.choice == "auto" and not state.in_call:
+        end = plan.parser.content_end(state.text)
+        state.in_call = end < len(state.text) and state.text.startswith(plan.parser.start, end)
+        if end > state.num_sent:
+            deltas.append({"content": state.text[state.num_sent:end]})
+            state.num_sent = end
+    if finish_reason is None:
+        return deltas, None
+    message, finish_reason = plan.content_message(state.text, finish_reason)
+    if "tool_calls" in message:
+        deltas.append({"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]})
+    elif len(state.text) > state.num_sent:
+        deltas.append({"content": state.text[state.num_sent:]})
+    state.num_sent = len(state.text)
+    return deltas, finish_reason
+
+
 async def _chunks(body: ChatCompletionRequest, header: dict, streams: list[AsyncIterator[RequestOutput]],
-                  num_top: int | None, log: ResponseLog) -> AsyncIterator[dict]:
+                  num_top: int | None, plan: ToolPlan, log: ResponseLog) -> AsyncIterator[dict]:
     header = {**header, "object": "chat.completion.chunk"}
     tracker = ChoiceTracker(body.n)
+    states = [_StreamedChoice(reasoning=None if plan.reasoning is None else ReasoningStream(plan.reasoning))
+              for _ in range(body.n)]
     for index in range(body.n):
         yield _chunk(header, index, {"role": "assistant", "content": ""}, None, None)
     async for updates in stream_updates(streams, tracker, log):
@@ -73,10 +183,13 @@ async def _chunks(body: ChatCompletionRequest, header: dict, streams: list[Async
             logprobs = None
             if num_top is not None:
                 logprobs = {"content": _logprobs(update.logprobs or [], update.token_ids, num_top)}
-            elif not update.text and update.finish_reason is None:
+            deltas, finish_reason = _stream_deltas(plan, states[update.index], update.text, update.finish_reason)
+            if not deltas and logprobs is None and finish_reason is None:
                 continue
-            delta = {"content": update.text} if update.text else {}
-            yield _chunk(header, update.index, delta, logprobs, update.finish_reason)
+            deltas = deltas or [{}]
+            for i, delta in enumerate(deltas):
+                last = i == len(deltas) - 1
+                yield _chunk(header, update.index, delta, logprobs if i == 0 else None, finish_reason if last else None)
     if body.include_usage:
         yield {**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)}
 

@@ -22,6 +22,8 @@ from tokenmill.outputs import Logprob, PromptLogprobs, RequestOutput, merge_delt
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import error_body
 from tokenmill.server.metrics import ServingMetrics
+from tokenmill.server.reasoning import ReasoningParser
+from tokenmill.server.tool_calls import ToolParser, choose_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +43,18 @@ class ServerContext:
     log_prompts: bool = False
     draining: bool = False
     model_aliases: frozenset[str] = frozenset()  # other names clients may use (the --model argument)
+    tool_call_parser: str | None = None  # --tool-call-parser; default: the chat template's format
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     # The server's own tokenizer copy, used only on one worker thread (off_loop): HF fast tokenizers
     # are not safe to share across threads, and a large prompt must not stall the event loop.
     inputs: InputProcessor = field(init=False)
+    tool_parser: ToolParser | None = field(init=False)
     _tokenizer_thread: ThreadPoolExecutor = field(init=False)
     _grammar_thread: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.inputs = InputProcessor(copy.deepcopy(self.engine.engine.tokenizer))
+        self.tool_parser = choose_tool_parser(self.inputs.tokenizer.chat_template, self.tool_call_parser)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
         self._grammar_thread = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
         self._grammar_thread.submit(self.engine.engine.grammars.prepare)  # ~1-3 s, once, off every request's path
