@@ -119,3 +119,17 @@ def default_llm():
     from tokenmill import LLM
 
     return LLM(dtype="float32", num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai SDK talking to the module's `server` fixture (a real `tokenmill serve`)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    """The model name that server serves."""
+    return client.models.list().data[0].id

@@ -28,11 +28,6 @@ def server(tmp_path_factory):
     assert "Traceback" not in process.log()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _join_completion_stream(stream) -> tuple[dict[int, str], dict[int, str], object]:
     texts: dict[int, str] = {}
     finish: dict[int, str] = {}

@@ -40,16 +40,6 @@ def server(tiny_llama_dir, tmp_path_factory):
     assert "Traceback" not in process.log()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def test_sdk_parse_returns_the_pydantic_object(client, model):
     for seed in (1, 2):
         completion = client.chat.completions.parse(model=model, messages=MESSAGES, response_format=Person,

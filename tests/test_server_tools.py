@@ -59,16 +59,6 @@ def server(tiny_llama_dir, tmp_path_factory):
     assert "Traceback" not in process.log()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def _validate(calls) -> None:
     assert calls
     for call in calls:

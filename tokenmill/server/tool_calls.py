@@ -102,48 +102,51 @@ def _call(value, argument_key: str) -> ToolCall | None:
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-class HermesParser(ToolParser):
+class _MarkedCallsParser(ToolParser):
+    """Formats whose calls follow a marker: content before it, calls from it on."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        found = text.find(self.start)
+        calls = None if found < 0 else self.read_calls(text[found:])
+        if not calls or None in calls:
+            return text, []
+        return text[:found].strip() or None, calls
+
+    def read_calls(self, text: str) -> list[ToolCall | None] | None:
+        """The calls in `text` (which starts with the marker); None or a None call where one does not parse."""
+        raise NotImplementedError
+
+
+class HermesParser(_MarkedCallsParser):
     """Hermes / Qwen 2.5 / Qwen 3: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one or more."""
 
     name = "hermes"
     start = "<tool_call>"
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        found = text.find(self.start)
-        if found < 0:
-            return text, []
-        bodies = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[found:], re.DOTALL)
-        calls = []
-        for body in bodies:
-            try:
-                call = _call(json.loads(body), "arguments")
-            except ValueError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
-        return text[:found].strip() or None, calls
+    def read_calls(self, text: str) -> list[ToolCall | None] | None:
+        return [_json_call(body, "arguments") for body in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text,
+                                                                      re.DOTALL)]
 
 
-class MistralParser(ToolParser):
+class MistralParser(_MarkedCallsParser):
     """Mistral: [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]."""
 
     name = "mistral"
     start = "[TOOL_CALLS]"
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        found = text.find(self.start)
-        if found < 0:
-            return text, []
+    def read_calls(self, text: str) -> list[ToolCall | None] | None:
         try:
-            values = json.loads(text[found + len(self.start):])
+            values = json.loads(text[len(self.start):])
         except ValueError:
-            return text, []
-        values = values if isinstance(values, list) else [values]
-        calls = [_call(v, "arguments") for v in values]
-        if not calls or None in calls:
-            return text, []
-        return text[:found].strip() or None, calls
+            return None
+        return [_call(v, "arguments") for v in (values if isinstance(values, list) else [values])]
+
+
+def _json_call(text: str, argument_key: str) -> ToolCall | None:
+    try:
+        return _call(json.loads(text), argument_key)
+    except ValueError:
+        return None
 
 
 class Llama3JsonParser(ToolParser):
