@@ -102,6 +102,7 @@ BAD_REQUESTS = [
     ({"web_search_options": {}}, "web_search_options", "no web search"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"function_call": "auto"}, "function_call", "not supported"),
+    ({"best_of": 3}, "best_of", "not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content", "content parts of type 'image_url' are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},

@@ -92,6 +92,8 @@ def refuse_unsupported_fields(data: dict, unsupported: dict[str, str]) -> None:
         if value is None or value == []:
             continue
         raise InvalidParameterError(f"{name} {why}", param=name)
+    if data.get("best_of") not in (None, 1, data.get("n", 1)):  # best of more than it returns: a different answer
+        raise InvalidParameterError("best_of is not supported (other than equal to n)", param="best_of")
     modalities = data.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise InvalidParameterError('modalities: only ["text"] is supported', param="modalities")
