@@ -41,3 +41,23 @@ def test_a_stream_splits_as_the_whole_reply(name, reply):
             reasoning, content, start = reasoning + r, content + c, end
         r, c = stream.feed("", finished=True)
         assert (reasoning + r or None, content + c) == parser.split(reply)
+
+
+def test_a_constrained_reply_is_reasoning_only_where_it_opens_the_block():
+    # deepseek_r1's block is opened by the template, but a grammar applies from the first token: a
+    # constrained reply is content unless it writes <think> itself
+    from types import SimpleNamespace
+
+    from tokenmill.server.protocol import ChatCompletionRequest
+    from tokenmill.server.serving_chat import _tool_plan
+
+    ctx = SimpleNamespace(reasoning_parser=REASONING_PARSERS["deepseek_r1"], tool_parser=None)
+    for extra, reply, expected in [
+        ({"structured_outputs": {"json": {"type": "object"}}}, '{"a": 1}', (None, '{"a": 1}')),
+        ({"structured_outputs": {"regex": "<think>x</think>y"}}, "<think>x</think>y", ("x", "y")),
+        ({}, "hmm</think>answer", ("hmm", "answer")),
+    ]:
+        body = ChatCompletionRequest(messages=[{"role": "user", "content": "q"}], **extra)
+        plan, _ = _tool_plan(ctx, body, body.sampling_params(10, None, 100))
+        message, _ = plan.message(reply, "stop")
+        assert (message["reasoning_content"], message["content"]) == expected

@@ -62,14 +62,21 @@ class ToolPlan:
 
 
 def _tool_plan(ctx: ServerContext, body: ChatCompletionRequest, params: SamplingParams) -> tuple[ToolPlan, SamplingParams]:
+    """The request's tool plan, and its sampling parameters with a forced choice's constraint.
+    Under a constraint the grammar applies from the first token, so a reasoning block is one only
+    if the output opens it with <think> itself (deepseek_r1's template-opened block cannot be)."""
     choice = body.effective_tool_choice()
+    reasoning = ctx.reasoning_parser
+    if reasoning is not None and params.structured_outputs is not None and not reasoning.opens_itself:
+        reasoning = dataclasses.replace(reasoning, opens_itself=True)
     if choice == "none":
-        return ToolPlan("none", None, ctx.reasoning_parser), params
+        return ToolPlan("none", None, reasoning), params
     if ctx.tool_parser is None:
         raise InvalidParameterError("this model's chat template does not support tools (it never mentions them); "
                                     "give a template that does with --chat-template", param="tools")
-    plan = ToolPlan(choice, ctx.tool_parser, ctx.reasoning_parser)
+    plan = ToolPlan(choice, ctx.tool_parser, reasoning)
     if plan.is_forced:
+        plan.reasoning = None  # the output is the calls' JSON
         if params.structured_outputs is not None:
             raise InvalidParameterError("tool_choice \"required\" or a named function constrains the output "
                                         "already: give no response_format or structured_outputs with it",
