@@ -46,9 +46,8 @@ class Llguidance:
     def __init__(self, tokenizer, vocab_size: int) -> None:
         import llguidance
         import llguidance.hf
-        import llguidance.torch
 
-        self.ll, self.llt = llguidance, llguidance.torch
+        self.ll = llguidance  # not llguidance.torch: its import pulls in torch._dynamo
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
         self.executor = llguidance.LLExecutor()
         self.vocab_size = vocab_size
@@ -64,10 +63,12 @@ class Llguidance:
         return compiled.deep_copy()
 
     def fill(self, matchers, bitmask: torch.Tensor) -> None:
+        row_bytes = bitmask.shape[1] * 4
         if len(matchers) == 1:
-            self.llt.fill_next_token_bitmask(matchers[0], bitmask, 0)
+            matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
         else:
-            self.llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+            self.executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(),
+                                                  row_bytes, len(matchers))
 
     def accept(self, matcher, token_id: int) -> bool:
         return matcher.consume_token(token_id)

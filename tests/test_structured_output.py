@@ -292,3 +292,11 @@ def test_a_bad_constraint_fails_only_its_request(llm):
         llm.generate(["x"], _constrained(StructuredOutputsParams(regex="[")), use_tqdm=False)
     (output,) = llm.generate(["x"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 4
+
+
+def test_masks_do_not_pull_in_torch_compile(llm):
+    # llguidance.torch imports torch._dynamo at import (~85 MB resident, ~2 s) for a helper we do not use
+    import sys
+
+    llm.generate(["x"], _constrained(StructuredOutputsParams(choice=["a", "b"])), use_tqdm=False)
+    assert "llguidance.torch" not in sys.modules

@@ -57,7 +57,6 @@ class ServerContext:
         self.tool_parser = choose_tool_parser(self.inputs.tokenizer.chat_template, self.tool_call_parser)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
         self._grammar_thread = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
-        self._grammar_thread.submit(self.engine.engine.grammars.prepare)  # ~1-3 s, once, off every request's path
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a request's structured-output constraint off the event loop and the engine loop
