@@ -35,10 +35,10 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 @dataclass
 class ModelRunnerOutput:
     """What one step computed: a token for each sequence that samples, in order, and the prompt
-    logprobs of the prompt tokens it scored (request id -> entries, in prompt order)."""
+    tokens it scored, with their logprobs (request id -> tokens, in prompt order)."""
 
     sampled: list[SampledToken]
-    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 @dataclass

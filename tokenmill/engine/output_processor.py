@@ -62,7 +62,7 @@ class OutputProcessor:
                     self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                     # also when the length limit already ended it on the token that completed the stop string
                     request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, detokenizer.stop_string
-            if request.logprobs is not None and request.logprobs:
+            if request.logprobs:
                 self._decode_logprobs(request.logprobs[-1])
             texts_by_group.setdefault(group.request_id, {})[index] = text
         outputs = []

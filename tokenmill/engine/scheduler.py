@@ -115,8 +115,8 @@ class Scheduler:
         """Structured outputs: what each constrained sequence that samples may sample next, computed
         for all of them at once. The matchers are not touched again before update(), which comes
         after the sampler has waited for the masks."""
-        constrained = [(seq.sampling, self.requests[seq.request_id].grammar) for seq in output.sequences
-                       if seq.sampling is not None and self.requests[seq.request_id].grammar is not None]
+        constrained = [(seq.sampling, grammar) for seq in output.sequences
+                       if seq.sampling is not None and (grammar := self.requests[seq.request_id].grammar) is not None]
         if constrained:
             # llguidance works without the GIL: the masks are ready by the time the logits are
             batch = self._mask_thread.submit(token_bitmasks, [grammar for _, grammar in constrained])
@@ -156,7 +156,7 @@ class Scheduler:
             request.num_computed_tokens += len(seq.token_ids)
             self.kv_cache.cache_computed_blocks(request)  # their KV is written now
             if seq.prompt_logprobs is not None:
-                request.prompt_logprobs += result.prompt_logprobs[seq.request_id]
+                request.prompt_logprobs += [_logprob_entry(t) for t in result.prompt_logprobs[seq.request_id]]
             if seq.sampling is None:
                 if request.max_tokens == 0 and request.is_prefill_done:  # the prompt only: done
                     request.status = RequestStatus.FINISHED_LENGTH

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
 import torch
 
 from tokenmill.sampling_params import SamplingParams

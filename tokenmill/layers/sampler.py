@@ -187,15 +187,21 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec], mask: TokenBitmask |
 
     if raw_logprobs is None:
         return [SampledToken(int(t)) for t in token_ids.tolist()]
-    chosen = raw_logprobs.gather(1, token_ids[:, None])
-    ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-    top_values, top_ids = raw_logprobs.topk(max(1, max_logprobs), dim=-1)
-    packed = torch.cat([token_ids[:, None].to(raw_logprobs.dtype), chosen, ranks[:, None].to(raw_logprobs.dtype)], 1)
+    return scored_tokens(raw_logprobs, token_ids, [s.params.logprobs for s in specs])
+
+
+def scored_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int | None]) -> list[SampledToken]:
+    """Each row's token with its logprob, its rank and the row's num_top[i] most likely tokens
+    (None: the token alone, no logprobs), reduced on the device, one host transfer.
+    logprobs: float32 [N, V] log-softmax; token_ids: int64 [N]."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(max(1, max((k for k in num_top if k is not None), default=0)), dim=-1)
+    packed = torch.cat([token_ids[:, None].to(logprobs.dtype), chosen, ranks[:, None].to(logprobs.dtype)], 1)
     packed, top_values, top_ids = packed.tolist(), top_values.tolist(), top_ids.tolist()
     results = []
-    for i, spec in enumerate(specs):
+    for i, k in enumerate(num_top):
         token, logprob, rank = packed[i]
-        k = spec.params.logprobs
         top = None if k is None else list(zip(top_ids[i][:k], top_values[i][:k]))
         results.append(SampledToken(int(token), logprob if k is not None else None, int(rank), top))
     return results

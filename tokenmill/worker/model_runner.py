@@ -10,10 +10,10 @@ import torch
 from tokenmill.engine.scheduler_output import PromptLogprobsRequest, SamplingRequest, SchedulerOutput
 from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry
 from tokenmill.layers.cpu_attention import default_attention_backend
-from tokenmill.layers.sampler import SamplingSpec, TokenBitmask, sample
+from tokenmill.layers.sampler import SamplingSpec, TokenBitmask, sample, scored_tokens
 from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.llama import DecoderForCausalLM
-from tokenmill.outputs import Logprob, ModelRunnerOutput
+from tokenmill.outputs import ModelRunnerOutput, SampledToken
 from tokenmill.worker.forward_input import ForwardInput
 
 
@@ -85,18 +85,18 @@ class ModelRunner:
         returned), and the prompt logprobs of the rows that score prompt tokens."""
         if logits is None:
             return ModelRunnerOutput([])
-        sampling_rows, prompt_logprobs, row = [], {}, 0
+        requests, sampling_rows, prompt_logprobs, row = [], [], {}, 0
         for seq in scheduler_output.sequences:
             if seq.prompt_logprobs is not None:
                 count = len(seq.prompt_logprobs.target_token_ids)
                 prompt_logprobs[seq.request_id] = score_prompt(logits[row: row + count], seq.prompt_logprobs)
                 row += count
             if seq.sampling is not None:
+                requests.append(seq.sampling)
                 sampling_rows.append(row)
                 row += 1
         if len(sampling_rows) != logits.shape[0]:
             logits = logits[sampling_rows]
-        requests = [s.sampling for s in scheduler_output.sequences if s.sampling is not None]
         specs = [sampling_spec(r) for r in requests]
         sampled = sample(logits, specs, grammar_mask(requests, specs)) if requests else []
         return ModelRunnerOutput(sampled, prompt_logprobs)
@@ -130,23 +130,11 @@ def _int32(value: int) -> int:
     return (value + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
-def score_prompt(logits: torch.Tensor, request: PromptLogprobsRequest) -> list[dict[int, Logprob]]:
-    """logits: float32 [N, vocab], row i scoring prompt token target_token_ids[i]. Each entry: the
-    token's logprob and rank, and the top num_top; reduced on the logits' device."""
-    logprobs = logits.log_softmax(dim=-1)
-    targets = torch.tensor(request.target_token_ids, dtype=torch.int64, device=logits.device)[:, None]
-    chosen = logprobs.gather(1, targets)
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    top_values, top_ids = logprobs.topk(max(1, request.num_top), dim=-1)
-    chosen, ranks = chosen[:, 0].tolist(), ranks.tolist()
-    top_values, top_ids = top_values[:, : request.num_top].tolist(), top_ids[:, : request.num_top].tolist()
-    entries = []
-    for i, token_id in enumerate(request.target_token_ids):
-        entry = {token_id: Logprob(chosen[i], ranks[i])}
-        for rank, (top_id, value) in enumerate(zip(top_ids[i], top_values[i]), start=1):
-            entry.setdefault(top_id, Logprob(value, rank))
-        entries.append(entry)
-    return entries
+def score_prompt(logits: torch.Tensor, request: PromptLogprobsRequest) -> list[SampledToken]:
+    """logits: float32 [N, vocab], row i scoring prompt token target_token_ids[i]: each token with
+    its logprob, rank and the top num_top, as the sampler reports a sampled one."""
+    targets = torch.tensor(request.target_token_ids, dtype=torch.int64, device=logits.device)
+    return scored_tokens(logits.log_softmax(dim=-1), targets, [request.num_top] * len(targets))
 
 
 def sampling_spec(request: SamplingRequest) -> SamplingSpec:
