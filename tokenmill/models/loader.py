@@ -17,7 +17,9 @@ from tokenmill.config import ModelConfig
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
 from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
 from tokenmill.layers.parallel import Communicator
-from tokenmill.layers.quantized import interleave_weights, interleaving_pays, quantize_linear_layers
+from tokenmill.layers.quantized import (
+    describe_weight_formats, interleave_weights, interleaving_pays, quantize_linear_layers,
+)
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
 from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
@@ -43,6 +45,7 @@ class LoadedModel:
     model: DecoderForCausalLM
     tokenizer: object  # transformers PreTrainedTokenizerFast
     max_model_len: int
+    weight_formats: str = ""  # how the weights are held, e.g. "int4 g32 x 211; bfloat16 rest"
 
 
 def default_model_path() -> Path:
@@ -160,7 +163,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is not None and eos not in config.eos_token_ids:
         config.eos_token_ids.append(eos)
-    return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context)
+    return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context,
+                       weight_formats=describe_weight_formats(net, dtype))
 
 
 def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,

@@ -6,14 +6,15 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.errors import InvalidParameterError, TokenmillError
 from tokenmill.server.errors import error_response, invalid_body
@@ -25,6 +26,8 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving_chat import create_chat_completion
 from tokenmill.server.serving_common import ClientDisconnected, ResponseLog, ServerContext, now_seconds
 from tokenmill.server.serving_completion import create_completion
+from tokenmill.server.stats_feed import StatsFeed
+from tokenmill.server.ui import add_ui_routes
 from tokenmill.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -86,12 +89,14 @@ def _check_unicode(value) -> None:
 
 
 def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              engine_thread: bool = True) -> FastAPI:
+              engine_thread: bool = True, ui: bool = True, stats_interval: float = 1.0) -> FastAPI:
     """The ASGI app around one AsyncLLMEngine, attached and stopped with the app's lifespan.
 
     engine_thread: start the engine loop on a new thread; False when the caller runs
     `ctx.engine.run_engine_loop()` on a thread of its own (the launcher uses the main thread).
+    ui: serve the web console at / (its feed, /v1/stats/stream, is there either way).
     """
+    feed = StatsFeed(ctx.metrics, server_facts(ctx, ui), stats_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -99,9 +104,14 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
             ctx.engine.start()
         else:
             ctx.engine.attach()
+        ctx.metrics.observe_engine(ctx.engine.engine.stats())  # figures before the first step
+        ticker = asyncio.create_task(feed.run())
         try:
             yield
         finally:
+            ticker.cancel()
+            with suppress(asyncio.CancelledError):
+                await ticker
             await ctx.engine.shutdown()
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -197,14 +207,31 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
 
     @app.get("/v1/stats")
     async def stats() -> Response:
-        return JSONResponse(ctx.metrics.snapshot())
+        return JSONResponse(feed.snapshot())
+
+    @app.get("/v1/stats/stream")
+    async def stats_stream() -> Response:
+        """Server-sent events: the figures of /v1/stats once per tick, the first with the history."""
+        return StreamingResponse(feed.events(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    if ui:
+        add_ui_routes(app)
 
     app.openapi = lambda: _openapi_with_bodies(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, public_ui=ui)
     app.add_middleware(AccessLogMiddleware)  # added last = outermost: it sees 401s and 413s too
     return app
+
+
+def server_facts(ctx: ServerContext, ui: bool) -> dict:
+    """What the console shows of the model and the engine: fixed for the server's life."""
+    engine = ctx.engine.engine
+    cost = ctx.metrics.window.cost_model if ctx.metrics.window is not None else None
+    return {"model_name": ctx.model_name, "version": __version__, **asdict(engine.facts()),
+            "cost_per_hour": cost.cost_per_hour if cost is not None else None, "log_prompts": ctx.log_prompts, "ui": ui}
 
 
 def _openapi_with_bodies(app: FastAPI) -> dict:

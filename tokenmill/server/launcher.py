@@ -50,6 +50,7 @@ class ServeOptions:
     quantization: str | None = None
     seed: int = 0
     log_prompts: bool = False
+    ui: bool = True  # the web console at /
     cost_per_hour: float | None = None
     peak_tflops: float | None = None
     peak_bandwidth_gbs: float | None = None
@@ -141,7 +142,8 @@ def serve(options: ServeOptions) -> int:
     # A name, never a path, is what /v1/models shows; the --model argument as given is accepted too.
     model_name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_MODEL_NAME)
     cost_model = _cost_model(engine, options)
-    metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window))
+    metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window),
+                             log_prompts=options.log_prompts)
     async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step,
                                   stall_timeout=options.stream_stall_timeout)
     if chat_template is not None:
@@ -151,7 +153,8 @@ def serve(options: ServeOptions) -> int:
                         tool_call_parser=options.tool_call_parser,
                         reasoning_parser=None if options.reasoning_parser is None
                         else REASONING_PARSERS[options.reasoning_parser])
-    app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False)
+    app = build_app(ctx, api_key=options.api_key, max_body_bytes=options.max_body_bytes, engine_thread=False,
+                    ui=options.ui)
     config = uvicorn.Config(
         app, host=options.host, port=options.port, log_config=None, access_log=False,
         log_level=options.log_level, timeout_graceful_shutdown=5, lifespan="on",
@@ -161,7 +164,8 @@ def serve(options: ServeOptions) -> int:
         signal.signal(sig, server.handle_exit)
     # uvicorn on a second thread, the engine loop on this (main) thread: see run_engine_loop
     http_thread = threading.Thread(target=_run_http, args=(server, async_engine), name="tokenmill-http")
-    logger.info("serving %s on http://%s:%d/v1", model_name, options.host, options.port)
+    logger.info("serving %s on http://%s:%d/v1%s", model_name, options.host, options.port,
+                f" (console: http://{options.host}:{options.port}/)" if options.ui else "")
     http_thread.start()
     while not async_engine.wait_attached(timeout=0.2):
         if not http_thread.is_alive():  # uvicorn could not start (port in use, ...)

@@ -2,19 +2,21 @@
 plus what vLLM does not show: busy fraction, batch size, budget occupancy, MFU/MBU and cost.
 
 Fed once per engine step on the event loop (AsyncLLMEngine's step observer), so no locks of ours;
-the windowed figures are computed when /metrics or /v1/stats is read.
+the windowed figures are computed when /metrics or /v1/stats is read (or the console's feed ticks).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from tokenmill.engine.engine_core import EngineStats
-from tokenmill.engine.metrics import UtilizationWindow
+from tokenmill.engine.metrics import LatencyWindow, UtilizationWindow
 from tokenmill.outputs import RequestOutput
+from tokenmill.server.recent_requests import RecentRequests
 
 PREFIX = "tokenmill:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -27,8 +29,17 @@ _WINDOW_GAUGES = {
     "model_flops_utilization": "Estimated model FLOP/s / device peak",
     "memory_bandwidth_utilization": "Estimated bytes/s (weights + KV) / device peak",
     "output_tokens_per_second": "Generated tokens per second",
+    "prefill_tokens_per_second": "Prompt (and recomputed) tokens computed per second",
+    "total_tokens_per_second": "Tokens computed per second, prompt and generated",
     "cost_per_1m_output_tokens": "Dollars per 1M generated tokens at --cost-per-hour",
     "cost_per_1m_total_tokens": "Dollars per 1M computed tokens (prompt + generated) at --cost-per-hour",
+}
+# window quantiles of the two latencies users feel: (summary key, doc)
+_LATENCY_GAUGES = {
+    "time_to_first_token_p50_seconds": "Median time to first token",
+    "time_to_first_token_p99_seconds": "99th percentile time to first token",
+    "inter_token_latency_p50_seconds": "Median time between two tokens of a sequence",
+    "inter_token_latency_p99_seconds": "99th percentile time between two tokens of a sequence",
 }
 _LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
@@ -45,7 +56,7 @@ class _Progress:
 class ServingMetrics:
     """The /metrics registry of one server."""
 
-    def __init__(self, model_name: str, window: UtilizationWindow | None = None) -> None:
+    def __init__(self, model_name: str, window: UtilizationWindow | None = None, log_prompts: bool = False) -> None:
         disable_created_metrics()  # the *_created series only add noise to a scrape
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -89,10 +100,14 @@ class ServingMetrics:
         self.request_decode_time = metric(
             Histogram, "request_decode_time_seconds", "First token to last token.", buckets=_REQUEST_BUCKETS)
         self.window = window
-        if window is not None:
-            for key, doc in _WINDOW_GAUGES.items():
-                gauge = metric(Gauge, key, f"{doc} (last {window.window_seconds:g} s).")
-                gauge.set_function(lambda key=key: self._window_value(key))
+        window_seconds = window.window_seconds if window is not None else 60.0
+        self.ttft_window = LatencyWindow(window_seconds)
+        self.itl_window = LatencyWindow(window_seconds)
+        gauges = {**(_WINDOW_GAUGES if window is not None else {}), **_LATENCY_GAUGES}
+        for key, doc in gauges.items():
+            gauge = metric(Gauge, key, f"{doc} (last {window_seconds:g} s).")
+            gauge.set_function(lambda key=key: self._window_value(key))
+        self.recent = RecentRequests(keep_text=log_prompts)
         self._window_values: dict[str, float] = {}
         self._progress: dict[str, _Progress] = {}
         self._last_stats: EngineStats | None = None
@@ -108,42 +123,61 @@ class ServingMetrics:
         if self.window is not None and stats.last_step is not None and (
                 previous is None or stats.num_steps > previous.num_steps):
             self.window.add(stats.last_step)
-        self._observe_stats(stats)
+        self.observe_engine(stats)
         for output in outputs:
             self._observe_output(now, output)
+            self.recent.observe(now, output)
 
-    def render(self) -> bytes:
-        self._window_values = self.window_summary()  # one summary per scrape, read by every window gauge
+    def render(self, now: float | None = None) -> bytes:
+        self._window_values = self.window_summary(now)  # one summary per scrape, read by every window gauge
         return generate_latest(self.registry)
 
-    def window_summary(self) -> dict[str, float]:
-        return self.window.summary() if self.window is not None else {}
+    def window_summary(self, now: float | None = None) -> dict[str, float]:
+        """The window's figures at `now` (default: the present), latency quantiles included."""
+        now = time.time() if now is None else now
+        summary = self.window.summary(now) if self.window is not None else {}
+        for name, latencies in (("time_to_first_token", self.ttft_window), ("inter_token_latency", self.itl_window)):
+            p50, p99 = latencies.quantiles((0.5, 0.99), now)
+            summary[f"{name}_p50_seconds"], summary[f"{name}_p99_seconds"] = p50, p99
+        return summary
 
-    def snapshot(self) -> dict:
-        """The same numbers as /metrics, as JSON for people and dashboards (NaN becomes null)."""
+    def snapshot(self, now: float | None = None) -> dict:
+        """The same numbers as /metrics at `now`, as JSON for people and dashboards (NaN becomes
+        null), with the recent requests."""
+        now = time.time() if now is None else now
         stats = self.engine_stats
         engine = {}
         if stats is not None:
+            kv = stats.kv_cache
             engine = {"num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting,
                       "num_preemptions": stats.num_preemptions, "num_steps": stats.num_steps,
-                      "kv_cache": asdict(stats.kv_cache)}
-        window = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in self.window_summary().items()}
-        return {"model": self._labels["model_name"], "engine": engine, "totals": dict(self.totals), "window": window}
+                      "kv_cache": asdict(kv),
+                      "prefix_cache_hit_rate": kv.prefix_cache_hits / kv.prefix_cache_queries
+                      if kv.prefix_cache_queries else None}
+        window = {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                  for k, v in self.window_summary(now).items()}
+        peaks = self.window.cost_model.peaks if self.window is not None else None  # measured after start-up
+        return {"time": now, "model": self._labels["model_name"], "engine": engine, "totals": dict(self.totals),
+                "window": window, "recent_requests": self.recent.newest_first(),
+                "peaks": {"tflops": peaks.flops / 1e12 if peaks and peaks.flops else None,
+                          "bandwidth_gbs": peaks.bandwidth / 1e9 if peaks and peaks.bandwidth else None}}
 
     def _window_value(self, key: str) -> float:
         return self._window_values.get(key, math.nan)
 
-    def _observe_stats(self, stats: EngineStats) -> None:
+    def observe_engine(self, stats: EngineStats) -> None:
+        """The engine's gauges and counters (each step; once at start, so that they exist before one)."""
         kv = stats.kv_cache
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(kv.usage)
         self.kv_cache_waste_perc.set(kv.waste)
+        # engine counters are cumulative (from 0, as ours are); Prometheus wants increments
         previous = self._last_stats
-        if previous is not None:  # engine counters are cumulative; Prometheus wants increments
-            self.num_preemptions.inc(stats.num_preemptions - previous.num_preemptions)
-            self.prefix_cache_queries.inc(kv.prefix_cache_queries - previous.kv_cache.prefix_cache_queries)
-            self.prefix_cache_hits.inc(kv.prefix_cache_hits - previous.kv_cache.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions - (previous.num_preemptions if previous else 0))
+        self.prefix_cache_queries.inc(kv.prefix_cache_queries - (previous.kv_cache.prefix_cache_queries
+                                                                  if previous else 0))
+        self.prefix_cache_hits.inc(kv.prefix_cache_hits - (previous.kv_cache.prefix_cache_hits if previous else 0))
         self._last_stats = stats
         self.engine_stats = stats
 
@@ -161,6 +195,7 @@ class ServingMetrics:
             if last is not None:
                 for _ in range(num_new):
                     self.inter_token_latency.observe((now - last) / num_new)
+                self.itl_window.add(now, (now - last) / num_new, num_new)
             progress.num_output_tokens[index] += num_new
             progress.last_token_time[index] = now
             self.generation_tokens.inc(num_new)
@@ -170,6 +205,7 @@ class ServingMetrics:
             self.prompt_tokens.inc(len(output.prompt_token_ids))
             self.totals["prompt_tokens"] += len(output.prompt_token_ids)
             self.time_to_first_token.observe(output.metrics.first_token_time - arrival)
+            self.ttft_window.add(now, output.metrics.first_token_time - arrival)
         if output.finished:
             del self._progress[output.request_id]
             reason = output.outputs[0].finish_reason or "abort"

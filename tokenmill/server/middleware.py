@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill.errors import AuthenticationError, RequestBodyTooLargeError, TokenmillError
 from tokenmill.server.errors import error_body
 from tokenmill.server.serving_common import ResponseLog
+from tokenmill.server.ui import is_ui_path
 
 access_logger = logging.getLogger("tokenmill.access")
 
@@ -28,14 +29,19 @@ async def _send_error(send: Send, exc: TokenmillError) -> None:
 
 
 class ApiKeyMiddleware:
-    """Every route but /health needs `Authorization: Bearer <key>` (compared in constant time)."""
+    """Every route but /health (and the console's own files, which hold no data) needs
+    `Authorization: Bearer <key>` (compared in constant time)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, public_ui: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.public_ui = public_ui
+
+    def _is_public(self, path: str) -> bool:
+        return path in UNAUTHENTICATED_PATHS or (self.public_ui and is_ui_path(path))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED_PATHS:
+        if scope["type"] == "http" and not self._is_public(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await _send_error(send, AuthenticationError("missing or invalid API key"))
@@ -87,7 +93,9 @@ class AccessLogMiddleware:
         log = ResponseLog()
         given_id = _sanitized_request_id(dict(scope["headers"]).get(b"x-request-id", b""))
         if given_id:
-            log.request_id = given_id
+            log.request_id = given_id  # the engine keeps its own unique key: clients may repeat ids
+        else:
+            log.engine_id = log.request_id  # one id for response, log line and console: both unique
         scope.setdefault("state", {})["log"] = log
         status = 0
 
