@@ -173,6 +173,34 @@ def test_stop_aborts_the_reply_and_frees_its_kv_blocks(page, server):
     assert page.errors == []
 
 
+def test_playground_sends_its_settings_and_the_server_honours_them(page, server):
+    settings = {"temperature": 0.9, "top_p": 0.8, "max_tokens": 12, "seed": 1234, "stop": ["END", "STOP"]}
+    messages = [{"role": "system", "content": "Answer with one word."}, {"role": "user", "content": "Name a colour."}]
+    # the reference first: the page's request then finds the same prompt prefix cached, as this one's
+    # repeat does (a bf16 prefix-cache hit may move a sampled token against a cold prompt)
+    server.post("/v1/chat/completions", {"messages": messages, **settings})
+    expected = server.post("/v1/chat/completions", {"messages": messages, **settings}).json()
+    page.click("#tab-playground")
+    page.fill("#pg-system", "Answer with one word.")
+    page.fill("#pg-temperature", "0.9")
+    page.fill("#pg-top-p", "0.8")
+    page.fill("#pg-max-tokens", "12")
+    page.fill("#pg-seed", "1234")
+    page.fill("#pg-stop", "END\nSTOP")
+    page.fill("#pg-input", "Name a colour.")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#pg-send")
+    body = json.loads(sent.value.post_data)
+    assert body["messages"] == messages
+    assert {key: body[key] for key in settings} == settings and body["stream"] is True
+    page.wait_for_selector(".reply-stats[data-finish]:not([data-finish=''])")
+    shown = page.text_content(".message.assistant .content")
+    assert shown == expected["choices"][0]["message"]["content"].strip()  # seeded: the same sample
+    page.click("#pg-clear")
+    assert page.locator(".message").count() == 0
+    assert page.errors == []
+
+
 def test_raw_completion_streams_emoji_whole(page, server):
     """Raw-completion mode; the streamed text (emoji: several tokens and SSE chunks each) equals
     the server's unstreamed completion of the same request."""
