@@ -266,6 +266,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir, tmp_path
         conn, response = server.open_stream("/v1/completions",
                                             {"prompt": "keep going", "max_tokens": 480, "ignore_eos": True})
         events = [read_event(response)]
+        dashboard = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)  # an open console
+        dashboard.request("GET", "/v1/stats/stream")
+        feed = dashboard.getresponse()
+        assert "facts" in read_event(feed)
         server.process.send_signal(signal.SIGTERM)
         assert server.wait_for(lambda: server.request("GET", "/ready").status == 503, 10)
         refused = server.post("/v1/completions", {"prompt": "too late", "max_tokens": 2})
@@ -275,7 +279,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir, tmp_path
         assert event == "[DONE]"
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         conn.close()
+        while read_event(feed) is not None:  # the feed's stream ends with the drain: it holds no exit
+            pass
         assert server.process.wait(60) == 0
     finally:
         server.stop(signal.SIGKILL)
     assert "drained" in server.log()
+    assert "graceful shutdown exceeded" not in server.log()

@@ -96,7 +96,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     `ctx.engine.run_engine_loop()` on a thread of its own (the launcher uses the main thread).
     ui: serve the web console at / (its feed, /v1/stats/stream, is there either way).
     """
-    feed = StatsFeed(ctx.metrics, server_facts(ctx, ui), stats_interval)
+    feed = ctx.stats_feed = StatsFeed(ctx.metrics, server_facts(ctx, ui), stats_interval)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -109,6 +109,7 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
         try:
             yield
         finally:
+            feed.close()
             ticker.cancel()
             with suppress(asyncio.CancelledError):
                 await ticker

@@ -92,6 +92,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         # Unlike uvicorn's own handler, do not re-raise the signal after shutdown: a drain is a clean exit.
         if self.ctx.draining or self._loop is None or not self.started:
+            self.ctx.end_streams()
             self.should_exit = True
             if self.ctx.draining:
                 self.force_exit = True
@@ -109,6 +110,7 @@ class DrainingServer(uvicorn.Server):
             logger.warning("drain timeout: aborted %d requests", aborted)
         kv = self.ctx.engine.engine.kv_cache.stats()  # read from the event loop: a snapshot, good enough
         logger.info("drained; shutting down (KV blocks in use: %d of %d)", kv.num_used_blocks, kv.num_blocks)
+        self.ctx.end_streams()
         self.should_exit = True
 
 
@@ -180,6 +182,7 @@ def serve(options: ServeOptions) -> int:
             logger.error("shutting down: %s", async_engine.fatal_error.message)
             # a moment for in-flight streams to send their error and for health checks to see 503s
             time.sleep(FATAL_EXIT_DELAY_SECONDS)
+            ctx.end_streams()
             server.should_exit = True  # then exit 1, for the supervisor to restart us
         http_thread.join()
     finally:

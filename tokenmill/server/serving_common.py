@@ -23,6 +23,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import error_body
 from tokenmill.server.metrics import ServingMetrics
 from tokenmill.server.reasoning import ReasoningParser
+from tokenmill.server.stats_feed import StatsFeed
 from tokenmill.server.tool_calls import ToolParser, choose_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class ServerContext:
     model_aliases: frozenset[str] = frozenset()  # other names clients may use (the --model argument)
     tool_call_parser: str | None = None  # --tool-call-parser; default: the chat template's format
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    stats_feed: StatsFeed | None = None  # the console's feed, set by build_app
     # The server's own tokenizer copy, used only on one worker thread (off_loop): HF fast tokenizers
     # are not safe to share across threads, and a large prompt must not stall the event loop.
     inputs: InputProcessor = field(init=False)
@@ -94,6 +96,11 @@ class ServerContext:
     @property
     def vocab_size(self) -> int:
         return self.engine.engine.model_config.vocab_size
+
+    def end_streams(self) -> None:
+        """The server is about to exit: end the streams that never end by themselves (the feed's)."""
+        if self.stats_feed is not None:
+            self.stats_feed.close()
 
     def check_model(self, name: str | None) -> None:
         if name and name != self.model_name and name not in self.model_aliases:

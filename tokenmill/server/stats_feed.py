@@ -40,7 +40,13 @@ class StatsFeed:
         self.interval = interval
         self.history: deque[dict] = deque(maxlen=max(1, round(history_seconds / interval)))
         self.latest: dict | None = None
+        self.closed = False  # set by close(), from any thread
         self._ticked: asyncio.Event | None = None
+
+    def close(self) -> None:
+        """End every subscriber's stream at the next tick (the server is about to exit: an open
+        dashboard must not hold its shutdown)."""
+        self.closed = True
 
     def snapshot(self, now: float | None = None) -> dict:
         return {**self.metrics.snapshot(now), "facts": self.facts}
@@ -66,13 +72,14 @@ class StatsFeed:
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events: the present snapshot with the history, then each tick's snapshot."""
         yield _sse({**self.snapshot(), "history": list(self.history)})
-        while True:
+        while not self.closed:
             if self._ticked is None:  # not running (an app without its lifespan): tick ourselves
                 await asyncio.sleep(self.interval)
                 yield _sse(self.snapshot())
                 continue
             await self._ticked.wait()
-            yield _sse(self.latest)
+            if not self.closed:
+                yield _sse(self.latest)
 
 
 def _sse(payload: dict) -> str:
