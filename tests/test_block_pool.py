@@ -147,10 +147,23 @@ def test_lru_eviction_takes_least_recently_freed_first():
     assert kv.get_computed_blocks(_request("y", [7, 8, 9]))[1] == 2
 
 
+def test_cached_prefixes_keep_their_blocks_within_the_reserve():
+    """Distinct prompts one after another (several system prompts): each one's blocks stay cached
+    while fewer than the reserve were ever used, so every prompt hits on its return."""
+    kv = KVCacheManager(64, 4)  # reserve: 16 blocks
+    prompts = [[100 * p + i for i in range(12)] for p in range(4)]  # 3 blocks each
+    for round_ in range(2):
+        for p, prompt in enumerate(prompts):
+            blocks, num_cached = kv.get_computed_blocks(_request(f"q{round_}{p}", prompt))
+            assert num_cached == (0 if round_ == 0 else 8)  # all but the last block: one token is recomputed
+            kv.free(_computed(kv, _request(f"r{round_}{p}", prompt)))
+    kv.check_integrity()
+
+
 def test_freed_blocks_are_reused_before_fresh_ones():
-    """The pool's memory is resident only where written: a freed block (even a cached one) is
-    handed out again before a never-used block is touched."""
-    kv = KVCacheManager(8, 2)
+    """Past the reserve, the pool's memory stays what was in use at once: a freed block (even a
+    cached one) is handed out again before a never-used block is touched."""
+    kv = KVCacheManager(8, 2, prefix_cache_reserve=0.25)  # 2 blocks
     first = _computed(kv, _request("first", [1, 2, 3, 4, 5]))
     used = {b.block_id for b in kv.req_blocks["first"]}
     kv.free(first)

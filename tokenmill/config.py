@@ -99,6 +99,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None = a share of free memory
     kv_cache_memory_fraction: float | None = None  # None: DEFAULT_KV_CACHE_FRACTION of the device type
     enable_prefix_caching: bool = True
+    # Share of the pool that cached prefixes may fill (memory made resident) before freed blocks
+    # are reused: beyond it, resident KV grows only with what is in use at once.
+    prefix_cache_reserve: float = 0.25
     num_blocks: int | None = None  # overrides the memory budget (tests)
 
     def memory_fraction(self, device_type: str) -> float:

@@ -2,10 +2,11 @@
 
 Freed blocks sit in an LRU queue. A freed block keeps its cached content (and its hash
 entry) until the pool hands it out again, so a later request with the same prefix can
-revive it; eviction takes the least recently freed block first. Blocks never handed out come
-last: the KV pool's memory becomes resident only as pages are first written (worker/
-model_runner.py), so reusing a freed block before touching a fresh one keeps the resident KV
-at the peak of what was in use at once; cached prefixes live in that memory, not beyond it.
+revive it; eviction takes the least recently freed block first. The KV pool's memory becomes
+resident only as pages are first written (worker/model_runner.py), so which block to hand out
+is also a memory decision: never-used blocks are handed out first until `num_reserved_blocks`
+have been used (room for cached prefixes: shared system prompts, earlier turns of chats), freed
+ones first after that. Resident KV stays at max(peak in use at once, the reserve).
 
 A cached block can only be found through its whole chain: a hit needs the block's own token
 ids and its parent block as it was when the block was computed (block id and generation; the
@@ -39,8 +40,9 @@ class KVBlock:
 class BlockPool:
     """Owns every KVBlock; hands them out, takes them back, and indexes cached full blocks."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, num_reserved_blocks: int = 0) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.num_reserved_blocks = num_reserved_blocks  # fresh before freed until this many were used
         self.free_queue: OrderedDict[int, None] = OrderedDict()  # handed out before, freed since; LRU first
         self.next_fresh = 0  # blocks [next_fresh, num_blocks) were never handed out
         self.cached: dict[bytes, KVBlock] = {}
@@ -57,13 +59,14 @@ class BlockPool:
         return block_id in self.free_queue or block_id >= self.next_fresh
 
     def allocate(self, count: int) -> list[KVBlock] | None:
-        """Take `count` blocks: from the front of the free queue (evicting their cached content),
-        then never-used ones."""
+        """Take `count` blocks: never-used ones while fewer than num_reserved_blocks were ever used,
+        then from the front of the free queue (evicting their cached content), then never-used ones."""
         if count > self.num_free_blocks:
             return None
         taken = []
         for _ in range(count):
-            if self.free_queue:
+            fresh_first = self.next_fresh < min(self.num_reserved_blocks, len(self.blocks))
+            if self.free_queue and not fresh_first:
                 block_id, _ = self.free_queue.popitem(last=False)
             else:
                 block_id, self.next_fresh = self.next_fresh, self.next_fresh + 1

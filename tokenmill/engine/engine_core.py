@@ -83,7 +83,8 @@ class LLMEngine:
         # Each tensor-parallel rank holds its share of every block: size the pool by this rank's heads.
         bytes_per_block = loaded.model.config.kv_bytes_per_block(cache.block_size, self.dtype.itemsize)
         num_blocks = cache.num_blocks or self._num_blocks_from_budget(bytes_per_block)
-        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                       prefix_cache_reserve=cache.prefix_cache_reserve)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
         self.executor.init_kv_cache(num_blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)

@@ -43,11 +43,12 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_key: bytes | None = None) -> None:
+                 hash_key: bytes | None = None, prefix_cache_reserve: float = 0.25) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_key = hash_key or secrets.token_bytes(16)
-        self.pool = BlockPool(num_blocks)
+        reserved = int(num_blocks * prefix_cache_reserve) if enable_prefix_caching else 0
+        self.pool = BlockPool(num_blocks, reserved)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_num_tokens: dict[str, int] = {}  # tokens that have a slot
         self.req_num_cached_blocks: dict[str, int] = {}  # leading blocks registered in the hash map
