@@ -41,7 +41,7 @@ def test_console_files_are_served_with_a_restrictive_csp(server):
     html = index.body.decode()
     assets = re.findall(r'(?:src|href)="(/ui/[^"]+)"', html)
     assert "/ui/vendor/uPlot.iife.min.js" in assets and "/ui/console.js" in assets
-    for path in ["/", *assets, "/ui/api.js", "/ui/dashboard.js", "/ui/playground.js", "/ui/markdown.js"]:
+    for path in ["/", *assets, "/ui/api.js", "/ui/dashboard.js", "/ui/playground.js", "/ui/markdown.js", "/ui/dom.js"]:
         response = server.request("GET", path)
         assert response.status == 200, path
         assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
@@ -62,7 +62,8 @@ def test_only_console_files_are_served(server, path):
 def test_the_console_is_offline_and_vendors_its_chart_library():
     """No CDN: every script and style is a package file; the chart library is pinned with its license."""
     for path in STATIC_DIR.rglob("*"):
-        if path.suffix in (".html", ".css") or path.name in ("console.js", "dashboard.js", "playground.js", "api.js"):
+        if path.suffix in (".html", ".css") or path.name in ("console.js", "dashboard.js", "playground.js", "api.js",
+                                                             "dom.js"):
             assert not re.search(r"(src|href|url)\s*[=(]\s*[\"']?(https?:)?//", path.read_text()), path
     vendor = STATIC_DIR / "vendor"
     assert "1.6.32" in (vendor / "README.md").read_text()

@@ -1,5 +1,6 @@
 // The dashboard: tiles of the present figures, charts of the last minutes, recent requests, facts.
 // Every figure comes from the feed (/v1/stats/stream); nothing here computes a metric of its own.
+import { element } from "./dom.js";
 
 const HISTORY_POINTS = 600;  // the server's history: 10 minutes at one point per second
 
@@ -70,13 +71,6 @@ function historyPoint(s) {
     inter_token_latency_p99_seconds: w.inter_token_latency_p99_seconds,
     cost_per_1m_output_tokens: w.cost_per_1m_output_tokens, cost_per_1m_total_tokens: w.cost_per_1m_total_tokens,
   };
-}
-
-function element(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
 }
 
 export class Dashboard {

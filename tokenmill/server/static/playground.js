@@ -1,16 +1,10 @@
 // The playground: a chat (or raw completion) streamed from the OpenAI-compatible API, with a Stop
 // button that aborts the request (the server frees its KV blocks when the connection closes).
 import { ApiError, readEvents } from "./api.js";
+import { element } from "./dom.js";
 import { renderMarkdown } from "./markdown.js";
 
 const $ = (id) => document.getElementById(id);
-
-function element(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 export class Playground {
   constructor(api) {
