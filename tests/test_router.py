@@ -96,3 +96,6 @@ def test_cache_aware_router_keeps_prefixes_together(workers, tmp_path):
     for worker in workers:  # both instances served, and nothing holds KV blocks afterwards
         assert worker.metric("tokenmill:request_success_total") > 0
         assert worker.metric("tokenmill:kv_cache_usage_perc") == 0.0
+        log = worker.log()
+        assert "POST /v1/chat/completions/render 200" in log  # the router places requests by our render
+        assert " 404 " not in log and " 500 " not in log

@@ -23,9 +23,9 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, refuse_unsupported_fields,
     to_conversation,
 )
-from tokenmill.server.serving_chat import create_chat_completion
+from tokenmill.server.serving_chat import create_chat_completion, render_chat_completion
 from tokenmill.server.serving_common import ClientDisconnected, ResponseLog, ServerContext, now_seconds
-from tokenmill.server.serving_completion import create_completion
+from tokenmill.server.serving_completion import create_completion, render_completion
 from tokenmill.server.stats_feed import StatsFeed
 from tokenmill.server.ui import add_ui_routes
 from tokenmill.version import __version__
@@ -40,6 +40,7 @@ Handler = Callable[[ServerContext, BaseModel, Callable, ResponseLog], Awaitable[
 BODY_MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    "/v1/completions/render": CompletionRequest, "/v1/chat/completions/render": ChatCompletionRequest,
 }
 
 
@@ -158,6 +159,14 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await run(request, ChatCompletionRequest, create_chat_completion)
+
+    @app.post("/v1/completions/render")
+    async def completions_render(request: Request) -> Response:
+        return await run(request, CompletionRequest, render_completion)
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_completions_render(request: Request) -> Response:
+        return await run(request, ChatCompletionRequest, render_chat_completion)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

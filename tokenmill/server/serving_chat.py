@@ -86,18 +86,47 @@ def _tool_plan(ctx: ServerContext, body: ChatCompletionRequest, params: Sampling
     return plan, params
 
 
-async def create_chat_completion(
-    ctx: ServerContext, body: ChatCompletionRequest, receive: Receive, log: ResponseLog
-) -> Response:
+@dataclass
+class ChatPrompt:
+    """A chat request made ready for the engine: its tool plan, parameters and rendered prompt."""
+
+    plan: ToolPlan
+    params: SamplingParams
+    prompt: str
+    prompt_token_ids: list[int]
+
+
+async def render_chat_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> ChatPrompt:
+    """The model check, limits, tool plan and chat template of a request: what generation and
+    /v1/chat/completions/render share."""
     ctx.check_model(body.model)
     conversation = body.conversation()
     ctx.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
     max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to max_model_len
-    num_top = body.num_logprobs()
-    plan, params = _tool_plan(ctx, body, body.sampling_params(max_tokens, num_top, ctx.vocab_size))
+    plan, params = _tool_plan(ctx, body, body.sampling_params(max_tokens, body.num_logprobs(), ctx.vocab_size))
     tools = body.tool_dicts() if plan.choice != "none" else None
     prompt, prompt_token_ids = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt,
                                                   tools)
+    return ChatPrompt(plan, params, prompt, prompt_token_ids)
+
+
+async def render_chat_completion(
+    ctx: ServerContext, body: ChatCompletionRequest, receive: Receive, log: ResponseLog
+) -> Response:
+    """vLLM's POST /v1/chat/completions/render: the prompt's token ids, generating nothing (routers
+    read it to place a request by its prefix)."""
+    rendered = await render_chat_prompt(ctx, body)
+    ctx.validate(rendered.prompt_token_ids, rendered.params)  # refused here what a generation would refuse
+    return JSONResponse({"request_id": f"chatcmpl-{log.request_id}", "model": ctx.model_name,
+                         "token_ids": rendered.prompt_token_ids})
+
+
+async def create_chat_completion(
+    ctx: ServerContext, body: ChatCompletionRequest, receive: Receive, log: ResponseLog
+) -> Response:
+    rendered = await render_chat_prompt(ctx, body)
+    plan, params, prompt, prompt_token_ids = rendered.plan, rendered.params, rendered.prompt, rendered.prompt_token_ids
+    num_top = body.num_logprobs()
     effective_max_tokens = ctx.validate(prompt_token_ids, params)
     await ctx.compile_grammar(params)
     ctx.check_request_tokens(body.n * (len(prompt_token_ids) + effective_max_tokens))

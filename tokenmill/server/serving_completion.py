@@ -10,11 +10,33 @@ from starlette.types import Receive
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.outputs import Logprob, PromptLogprobs, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.serving_common import (
     ChoiceTracker, ResponseLog, ServerContext, collect, now_seconds, run_unless_disconnected, sse_response,
     prompt_logprobs_json, stream_updates, top_entries, usage,
 )
+
+
+async def tokenize_prompts(ctx: ServerContext, prompts: list) -> list[list[int]]:
+    """Each prompt (text or token ids) as token ids, text over any possible context refused first."""
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ctx.check_text_length(len(prompt), "prompt")
+    return await ctx.off_loop(lambda: [ctx.inputs.tokenize(p) for p in prompts])
+
+
+async def render_completion(
+    ctx: ServerContext, body: CompletionRequest, receive: Receive, log: ResponseLog
+) -> Response:
+    """vLLM's POST /v1/completions/render: each prompt's token ids, generating nothing (routers
+    read it to place a request by its prefix)."""
+    ctx.check_model(body.model)
+    prompt_token_ids = await tokenize_prompts(ctx, body.prompts())
+    for ids in prompt_token_ids:  # ids a generation would refuse are refused here too
+        ctx.validate(ids, SamplingParams(max_tokens=1))
+    return JSONResponse([{"request_id": f"cmpl-{log.request_id}-{i}", "model": ctx.model_name, "token_ids": ids}
+                         for i, ids in enumerate(prompt_token_ids)])
 
 
 async def create_completion(
@@ -29,10 +51,7 @@ async def create_completion(
     params = body.sampling_params(body.max_tokens, body.logprobs, ctx.vocab_size,
                                   prompt_logprobs=max(echo_logprobs or 0, body.prompt_logprobs or 0)
                                   if echo_logprobs is not None else None)
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            ctx.check_text_length(len(prompt), "prompt")
-    prompt_token_ids = await ctx.off_loop(lambda: [ctx.inputs.tokenize(p) for p in prompts])
+    prompt_token_ids = await tokenize_prompts(ctx, prompts)
     max_tokens = [ctx.validate(ids, params) for ids in prompt_token_ids]
     ctx.check_request_tokens(body.n * sum(len(ids) + m for ids, m in zip(prompt_token_ids, max_tokens)))
     await ctx.compile_grammar(params)
