@@ -221,6 +221,22 @@ def test_raw_completion_streams_emoji_whole(page, server):
     assert page.errors == []
 
 
+def test_a_real_reply_with_a_script_tag_is_text(page, server):
+    """The default model, greedy, answers this with an HTML page holding <script>alert(...)</script>."""
+    dialogs = []
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    page.click("#tab-playground")
+    page.fill("#pg-temperature", "0")
+    page.fill("#pg-max-tokens", "120")
+    page.fill("#pg-input", "Write a minimal HTML page with a <script> tag that shows an alert.")
+    page.click("#pg-send")
+    page.wait_for_selector(".reply-stats[data-finish]:not([data-finish=''])")
+    content = page.locator(".message.assistant .content")
+    assert "<script>" in content.text_content() and "alert(" in content.text_content()
+    assert content.locator("script, html, body").count() == 0
+    assert dialogs == [] and page.errors == []
+
+
 HOSTILE_REPLY = ('Here: <script>window.__pwned = 1</script> <img src=x onerror="window.__pwned = 2"> '
                  '**bold** and `<b>code</b>`\n\n```html\n<script>window.__pwned = 3</script>\n```\n'
                  '[click](javascript:window.__pwned=4) [site](https://example.com/)')
