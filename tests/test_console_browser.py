@@ -222,7 +222,8 @@ def test_raw_completion_streams_emoji_whole(page, server):
 
 
 def test_a_real_reply_with_a_script_tag_is_text(page, server):
-    """The default model, greedy, answers this with an HTML page holding <script>alert(...)</script>."""
+    """The default model, greedy, answers this with an HTML page holding a <script> (in a code block
+    on a cold server, as bare text after the earlier tests' prefix-cache hits: bf16 numerics)."""
     dialogs = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     page.click("#tab-playground")
@@ -232,8 +233,8 @@ def test_a_real_reply_with_a_script_tag_is_text(page, server):
     page.click("#pg-send")
     page.wait_for_selector(".reply-stats[data-finish]:not([data-finish=''])")
     content = page.locator(".message.assistant .content")
-    assert "<script>" in content.text_content() and "alert(" in content.text_content()
-    assert content.locator("script, html, body").count() == 0
+    assert "<script>" in content.text_content()
+    assert content.locator("script, html, body, div, h1").count() == 0
     assert dialogs == [] and page.errors == []
 
 
