@@ -42,7 +42,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, num_reserved_blocks: int = 0) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.num_reserved_blocks = num_reserved_blocks  # fresh before freed until this many were used
+        self.num_reserved_blocks = min(num_reserved_blocks, num_blocks)  # fresh before freed until this many were used
         self.free_queue: OrderedDict[int, None] = OrderedDict()  # handed out before, freed since; LRU first
         self.next_fresh = 0  # blocks [next_fresh, num_blocks) were never handed out
         self.cached: dict[bytes, KVBlock] = {}
@@ -65,8 +65,7 @@ class BlockPool:
             return None
         taken = []
         for _ in range(count):
-            fresh_first = self.next_fresh < min(self.num_reserved_blocks, len(self.blocks))
-            if self.free_queue and not fresh_first:
+            if self.free_queue and self.next_fresh >= self.num_reserved_blocks:
                 block_id, _ = self.free_queue.popitem(last=False)
             else:
                 block_id, self.next_fresh = self.next_fresh, self.next_fresh + 1

@@ -3,6 +3,7 @@ token-budget occupancy, model-FLOPs and memory-bandwidth utilization, cost per t
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -153,8 +154,7 @@ class LatencyWindow:
         self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (time observed, seconds)
 
     def add(self, now: float, seconds: float, count: int = 1) -> None:
-        for _ in range(count):
-            self._samples.append((now, seconds))
+        self._samples.extend(itertools.repeat((now, seconds), count))
 
     def quantiles(self, qs: tuple[float, ...], now: float | None = None) -> list[float]:
         """Nearest-rank quantiles of the window's samples; NaN when it holds none."""

@@ -111,6 +111,8 @@ class ServingMetrics:
         self._window_values: dict[str, float] = {}
         self._progress: dict[str, _Progress] = {}
         self._last_stats: EngineStats | None = None
+        self._engine_counters = (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits)
+        self._engine_counts = (0, 0, 0)  # what they have counted of the engine's cumulative figures
         self.engine_stats: EngineStats | None = None
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0, "requests_rejected": 0}
 
@@ -173,11 +175,10 @@ class ServingMetrics:
         self.kv_cache_usage_perc.set(kv.usage)
         self.kv_cache_waste_perc.set(kv.waste)
         # engine counters are cumulative (from 0, as ours are); Prometheus wants increments
-        previous = self._last_stats
-        self.num_preemptions.inc(stats.num_preemptions - (previous.num_preemptions if previous else 0))
-        self.prefix_cache_queries.inc(kv.prefix_cache_queries - (previous.kv_cache.prefix_cache_queries
-                                                                  if previous else 0))
-        self.prefix_cache_hits.inc(kv.prefix_cache_hits - (previous.kv_cache.prefix_cache_hits if previous else 0))
+        counts = (stats.num_preemptions, kv.prefix_cache_queries, kv.prefix_cache_hits)
+        for counter, count, counted in zip(self._engine_counters, counts, self._engine_counts):
+            counter.inc(count - counted)
+        self._engine_counts = counts
         self._last_stats = stats
         self.engine_stats = stats
 
