@@ -9,13 +9,13 @@ from server_harness import read_event, start_server, wait_until
 
 # Kills the engine loop (outside engine.step) when a request with this prompt arrives.
 KILL_ENGINE_LOOP = '''
-from tokenmill.engine import async_engine
-_real_apply = async_engine.AsyncLLMEngine._apply
+from tokenmill.engine import engine_loop
+_real_apply = engine_loop.EngineLoop._apply
 def _apply(self, commands):
     if any(getattr(c, "prompt_text", None) == "kill the engine loop" for c in commands):
         raise RuntimeError("injected engine-loop failure")
     return _real_apply(self, commands)
-async_engine.AsyncLLMEngine._apply = _apply
+engine_loop.EngineLoop._apply = _apply
 '''
 
 

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.device_peaks import DevicePeaks
-from tokenmill.engine.engine_core import EngineStats
+from tokenmill.engine.engine_info import EngineStats
 from tokenmill.engine.kv_cache_manager import KVCacheStats
 from tokenmill.engine.metrics import CostModel, LatencyWindow, StepStats, UtilizationWindow
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput

@@ -88,6 +88,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--log-prompts", action="store_true",
                        help="include request bodies in the access log, and texts in the console's recent requests")
     serve.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the web console at /")
+    serve.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                       help="step the engine on this process's main thread instead of a process of its own")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template to use instead of the model's")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

@@ -6,7 +6,8 @@ import itertools
 from collections.abc import Sequence
 
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokenmill.engine.engine_core import EngineStats, LLMEngine
+from tokenmill.engine.engine_core import LLMEngine
+from tokenmill.engine.engine_info import EngineStats
 from tokenmill.engine.input_processor import Conversation, PromptType, normalize_prompts
 from tokenmill.errors import InvalidParameterError
 from tokenmill.outputs import OutputKind, RequestOutput

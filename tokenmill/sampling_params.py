@@ -9,6 +9,7 @@ from typing import Any
 from tokenmill.errors import InvalidParameterError
 
 MAX_LOGPROBS = 20
+MAX_TOP_K = 1 << 31
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # the detokenizer holds back this much text at most
@@ -120,6 +121,8 @@ class SamplingParams:
         except TypeError:
             raise InvalidParameterError("stop_token_ids must be a list of token ids", param="stop_token_ids") from None
         self._validate()
+        if self.top_k > MAX_TOP_K:  # more than any vocabulary: no top-k (and an int every wire can carry)
+            self.top_k = -1
 
     @property
     def is_greedy(self) -> bool:

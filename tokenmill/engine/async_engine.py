@@ -1,9 +1,10 @@
-"""AsyncLLMEngine: the step loop on a thread of its own, with an asyncio face for the server.
+"""AsyncLLMEngine: an engine's outputs as asyncio streams, for the server.
 
-The engine thread (the one in run_engine_loop) is the only one that touches the LLMEngine after
-start-up: the event loop hands it add/abort commands through a locked list and gets back each step's
-outputs in one call_soon_threadsafe, so HTTP never waits for a forward pass and a forward pass never
-waits for HTTP. Torch releases the GIL inside its kernels, which is where a step spends its time.
+The engine runs elsewhere: on a thread of this process (an EngineLoop, the default here) or in
+an engine process of its own (EngineProcessClient, what `tokenmill serve` uses). Either way the
+event loop hands it add/abort commands with submit() and gets back each step's outputs in one
+call_soon_threadsafe, so HTTP never waits for a forward pass and a forward pass never waits for
+HTTP. (Torch releases the GIL inside its kernels, which is where a step spends its time.)
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from tokenmill.engine.engine_core import EngineStats, LLMEngine
+from tokenmill.engine.engine_info import EngineStats
+from tokenmill.engine.engine_loop import AddCommand, Command, EngineLoop, StepResult
 from tokenmill.errors import EngineDeadError, InvalidParameterError, ServerBusyError, StreamStalledError, TokenmillError
-from tokenmill.outputs import OutputKind, RequestOutput, merge_deltas
-from tokenmill.platform import release_free_memory
+from tokenmill.outputs import RequestOutput, merge_deltas
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -27,17 +29,21 @@ logger = logging.getLogger(__name__)
 StepObserver = Callable[[float, list[RequestOutput], EngineStats], None]
 
 
-@dataclass
-class _AddCommand:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt_text: str | None
-    arrival_time: float
+class EngineCore(Protocol):
+    """Where the engine runs, as AsyncLLMEngine sees it: EngineLoop (a thread of this process) or
+    EngineProcessClient (an engine process)."""
+
+    engine: object  # what the server reads: tokenizer, limits, stats(), facts(), ...
+    publish: Callable[[StepResult], None]
+
+    def submit(self, command: Command) -> None: ...
+
+    def request_stop(self) -> None: ...
+
+    def run(self) -> EngineDeadError | None: ...
 
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds an output may wait for its reader before the request is aborted
-TRIM_INTERVAL = 10.0  # seconds between two returns of freed heap memory to the system
 
 
 @dataclass
@@ -54,14 +60,6 @@ class _Stream:
     finished: bool = False
 
 
-@dataclass
-class _StepResult:
-    end_time: float
-    outputs: list[RequestOutput]
-    stats: EngineStats
-    errors: dict[str, BaseException]
-
-
 class AsyncLLMEngine:
     """Serve an LLMEngine to asyncio code: `async for output in engine.generate(...)`.
 
@@ -71,24 +69,31 @@ class AsyncLLMEngine:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine=None,
         max_queued_requests: int | None = None,
         step_observer: StepObserver | None = None,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        core: EngineCore | None = None,
     ) -> None:
-        self.engine = engine
+        """Give an LLMEngine (it will step on a thread of this process) or a `core` that runs one."""
+        if (engine is None) == (core is None):
+            raise TypeError("give exactly one of engine and core")
+        self.core: EngineCore = core if core is not None else EngineLoop(engine, self._publish)
+        self.core.publish = self._publish
         self.max_queued_requests = max_queued_requests  # counted in sequences (prompts x n)
         self.step_observer = step_observer
         self.stall_timeout = stall_timeout
         self._streams: dict[str, _Stream] = {}
-        self._commands: list[_AddCommand | str] = []  # a str is a request id to abort
-        self._wakeup = threading.Condition()
-        self._stopping = False
         self._thread: threading.Thread | None = None
         self._attached = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._idle = asyncio.Event()
-        self.fatal_error: EngineDeadError | None = None  # set when the loop stopped for good
+        self.fatal_error: EngineDeadError | None = None  # set when the engine stopped for good
+
+    @property
+    def engine(self):
+        """The engine as the server reads it (an LLMEngine, or an engine process's view of one)."""
+        return self.core.engine
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -107,10 +112,8 @@ class AsyncLLMEngine:
         return self._attached.wait(timeout)
 
     def request_stop(self) -> None:
-        """Make run_engine_loop() return after it has run the commands already queued (thread-safe)."""
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
+        """Make run_engine_loop() return after the commands already queued have run (thread-safe)."""
+        self.core.request_stop()
 
     async def shutdown(self) -> None:
         """Abort everything still running and stop the engine loop."""
@@ -144,7 +147,7 @@ class AsyncLLMEngine:
     @property
     def is_idle(self) -> bool:
         """No request in flight and none about to be added (readable from any thread)."""
-        return not self._streams and not self._commands
+        return not self._streams
 
     @property
     def num_waiting(self) -> int:
@@ -186,8 +189,8 @@ class AsyncLLMEngine:
         stream = _Stream(params.n)
         self._streams[request_id] = stream
         self._idle.clear()
-        self._submit(_AddCommand(request_id, prompt_token_ids, params, prompt_text, arrival_time or time.time()))
         try:
+            self._submit(AddCommand(request_id, prompt_token_ids, params, prompt_text, arrival_time or time.time()))
             while True:
                 await stream.ready.wait()
                 stream.ready.clear()
@@ -208,10 +211,8 @@ class AsyncLLMEngine:
         self._submit(request_id)
 
     # ---- event-loop side -----------------------------------------------------------------------
-    def _submit(self, command: _AddCommand | str) -> None:
-        with self._wakeup:
-            self._commands.append(command)
-            self._wakeup.notify()
+    def _submit(self, command: Command) -> None:
+        self.core.submit(command)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -229,7 +230,7 @@ class AsyncLLMEngine:
         for request_id in list(self._streams):
             self._fail(request_id, error)
 
-    def _deliver(self, result: _StepResult) -> None:
+    def _deliver(self, result: StepResult) -> None:
         for request_id, error in result.errors.items():
             self._fail(request_id, error)
         now = time.monotonic()
@@ -258,81 +259,27 @@ class AsyncLLMEngine:
             except Exception:  # metrics must never take serving down
                 logger.exception("step observer failed")
 
-    # ---- engine thread -------------------------------------------------------------------------
+    # ---- the engine's side ---------------------------------------------------------------------
     def run_engine_loop(self) -> None:
-        """Step the engine whenever it has work, until request_stop(). Blocks: give it a thread.
+        """Run the core (step the engine, or follow the engine process) until request_stop().
+        Blocks: give it a thread.
 
-        If the loop ends for any other reason (an exception anywhere in it, a dead tensor-parallel
-        worker), fatal_error is set, every stream fails at once and new requests are refused: the
-        engine never dies silently (`tokenmill serve` then exits with status 1).
+        If it ends for any other reason (an exception anywhere in the loop, a dead tensor-parallel
+        worker, an engine process gone), fatal_error is set, every stream fails at once and new
+        requests are refused: the engine never dies silently (`tokenmill serve` then exits with
+        status 1).
 
         Torch ops run measurably (~20%) faster on a process's main thread than on a thread started
-        later, so `tokenmill serve` runs this loop on the main thread and uvicorn on another.
+        later, so an in-process `tokenmill serve` runs this loop on the main thread and uvicorn on another.
         """
-        try:
-            self._loop_until_stopped()
-        except Exception as exc:
-            logger.exception("the engine loop failed")
-            self.fatal_error = EngineDeadError(f"the engine stopped after an internal error ({type(exc).__name__})")
-        if self.fatal_error is not None:
+        fatal = self.core.run()
+        if fatal is not None:
+            self.fatal_error = fatal
             try:
-                self._loop.call_soon_threadsafe(self._fail_all, self.fatal_error)
+                self._loop.call_soon_threadsafe(self._fail_all, fatal)
             except RuntimeError:  # the event loop is gone already: nobody is waiting
                 pass
 
-    def _loop_until_stopped(self) -> None:
-        engine = self.engine
-        next_trim = time.monotonic() + TRIM_INTERVAL
-        while True:
-            if time.monotonic() >= next_trim:  # keep RSS flat under traffic of ever-changing shapes
-                release_free_memory()
-                next_trim = time.monotonic() + TRIM_INTERVAL
-            with self._wakeup:
-                while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                    self._wakeup.wait(timeout=1.0)  # a timeout keeps the main thread responsive to signals
-                    if not self._commands and not self._stopping and self._dead(engine):
-                        return
-                commands, self._commands = self._commands, []
-                stopping = self._stopping
-            outputs, errors = self._apply(commands)
-            if stopping:  # the aborts queued by shutdown() have run: nothing holds KV blocks
-                return
-            if engine.has_unfinished_requests():
-                try:
-                    outputs += engine.step()  # a request that fails a step comes back with its error
-                except EngineDeadError as exc:
-                    logger.error("engine is dead: %s", exc.message)
-                    self.fatal_error = exc
-                    return
-            if outputs or errors or commands:
-                result = _StepResult(time.time(), outputs, engine.stats(), errors)
-                self._loop.call_soon_threadsafe(self._deliver, result)
-
-    def _dead(self, engine: LLMEngine) -> bool:
-        try:
-            engine.check_health()
-        except EngineDeadError as exc:
-            logger.error("engine is dead: %s", exc.message)
-            self.fatal_error = exc
-            return True
-        return False
-
-    def _apply(self, commands: list[_AddCommand | str]) -> tuple[list[RequestOutput], dict[str, BaseException]]:
-        """Run queued adds and aborts; returns the final outputs of aborted requests, and add errors."""
-        aborted: list[RequestOutput] = []
-        errors: dict[str, BaseException] = {}
-        for command in commands:
-            if isinstance(command, str):
-                output = self.engine.abort_request(command)
-                if output is not None:
-                    aborted.append(output)
-                continue
-            try:
-                self.engine.add_request(
-                    command.request_id, command.prompt_token_ids, command.params,
-                    arrival_time=command.arrival_time, prompt_text=command.prompt_text,
-                    output_kind=OutputKind.DELTA,
-                )
-            except Exception as exc:
-                errors[command.request_id] = exc
-        return aborted, errors
+    def _publish(self, result: StepResult) -> None:
+        """Called by the core, on its thread, after every iteration that produced something."""
+        self._loop.call_soon_threadsafe(self._deliver, result)

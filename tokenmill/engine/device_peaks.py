@@ -65,10 +65,12 @@ class PeakProbe(threading.Thread):
 
 
 def measure_cpu_when_idle(peaks: DevicePeaks, is_idle: Callable[[], bool], peak_tflops: float | None = None,
-                          peak_bandwidth_gbs: float | None = None) -> PeakProbe | None:
+                          peak_bandwidth_gbs: float | None = None,
+                          on_measured: Callable[[DevicePeaks], None] | None = None) -> PeakProbe | None:
     """Unless both figures are given: start a thread that measures this CPU once the engine has been
     idle for a while and the machine is quiet (each short run only while both still hold), records
-    the result and fills in the figures not given. Stop it before the process exits."""
+    the result and fills in the figures not given (then calls on_measured(peaks) on that thread).
+    Stop it before the process exits."""
     if peaks.given:
         return None
     stopping = threading.Event()
@@ -92,6 +94,8 @@ def measure_cpu_when_idle(peaks: DevicePeaks, is_idle: Callable[[], bool], peak_
                     if peak_bandwidth_gbs is None:
                         peaks.bandwidth = measured.bandwidth_gbs * 1e9
                     logger.info("CPU peaks: %.2f TFLOP/s, %.1f GB/s", measured.bf16_tflops, measured.bandwidth_gbs)
+                    if on_measured is not None:
+                        on_measured(peaks)
                     return
                 stopping.wait(0.1)
             stopping.wait(0.5)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import InputProcessor
-from tokenmill.engine.kv_cache_manager import KVCacheManager, KVCacheStats
+from tokenmill.engine.engine_info import EngineFacts, EngineStats, RequestLimits
+from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.metrics import StepStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
@@ -29,33 +29,6 @@ from tokenmill.platform import (
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    kv_cache: KVCacheStats
-    num_steps: int = 0
-    last_step: StepStats | None = None
-
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What a dashboard shows about the loaded model and the engine around it."""
-
-    model_file: str
-    architecture: str
-    dtype: str
-    weights: str  # how the weights are held: quantized formats and the dense dtype
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    device: str
-    tensor_parallel_size: int
 
 
 class LLMEngine:
@@ -86,6 +59,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                        prefix_cache_reserve=cache.prefix_cache_reserve)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
+        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, num_blocks, cache.block_size)
         self.executor.init_kv_cache(num_blocks)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self._seed_rng = random.Random(config.seed)
@@ -119,22 +93,7 @@ class LLMEngine:
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a prompt and its parameters against the model and the limits; returns the effective
         max_tokens. Whatever passes cannot make a batched step fail."""
-        if not prompt_token_ids:
-            raise InvalidParameterError("the prompt is empty", param="prompt")
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
-        self.scheduler.check_fits(len(prompt_token_ids), max_tokens)
-        vocab = self.model_config.vocab_size
-        if any(type(t) is not int or not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidParameterError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidParameterError(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
-        if params.min_tokens > max_tokens:
-            raise InvalidParameterError(
-                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this prompt can generate",
-                param="min_tokens")
-        return max_tokens
+        return self.limits.validate(prompt_token_ids, params)
 
     def add_request(
         self,

@@ -20,7 +20,7 @@ from tokenmill.engine.scheduler_output import (
     PromptLogprobsRequest, SamplingRequest, ScheduledSequence, SchedulerOutput, TokenBitmaskRow,
 )
 from tokenmill.engine.structured_output import token_bitmasks
-from tokenmill.errors import RequestTooLongError
+from tokenmill.engine.engine_info import check_fits
 from tokenmill.outputs import Logprob, ModelRunnerOutput, SampledToken
 
 logger = logging.getLogger(__name__)
@@ -43,20 +43,8 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestTooLongError if such a request could never be served."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise RequestTooLongError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len ({self.max_model_len})",
-                param="max_tokens",
-            )
-        needed = self.kv_cache.blocks_needed(total)
-        if needed > self.kv_cache.pool.num_blocks:
-            raise RequestTooLongError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks "
-                f"but the cache holds only {self.kv_cache.pool.num_blocks}",
-                param="max_tokens",
-            )
+        check_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.kv_cache.pool.num_blocks,
+                   self.kv_cache.block_size)
 
     def add_request(self, request: Request) -> None:
         self.check_fits(request.num_prompt_tokens, request.max_tokens)

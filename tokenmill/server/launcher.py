@@ -14,9 +14,12 @@ import uvicorn
 
 from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.engine.device_peaks import known_peaks, measure_cpu_when_idle
+from tokenmill.engine.device_peaks import DevicePeaks, known_peaks, measure_cpu_when_idle
+from tokenmill.engine.engine_client import EngineProcessClient
 from tokenmill.engine.engine_core import LLMEngine
+from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.metrics import CostModel, UtilizationWindow
+from tokenmill.engine.structured_output import GrammarCompiler
 from tokenmill.errors import TokenmillError
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from tokenmill.server.metrics import ServingMetrics
@@ -62,6 +65,7 @@ class ServeOptions:
     chat_template: str | None = None  # a Jinja file that replaces the model's chat template
     tool_call_parser: str | None = None  # default: the format the chat template writes
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think> text -> reasoning_content
+    engine_process: bool = True  # the engine in a process of its own (not under torchrun)
 
 
 def read_chat_template(path: str) -> str:
@@ -108,25 +112,40 @@ class DrainingServer(uvicorn.Server):
         aborted = await self.ctx.engine.drain(self.drain_timeout)
         if aborted:
             logger.warning("drain timeout: aborted %d requests", aborted)
-        kv = self.ctx.engine.engine.kv_cache.stats()  # read from the event loop: a snapshot, good enough
+        kv = self.ctx.engine.engine.stats().kv_cache  # read from the event loop: a snapshot, good enough
         logger.info("drained; shutting down (KV blocks in use: %d of %d)", kv.num_used_blocks, kv.num_blocks)
         self.ctx.end_streams()
         self.should_exit = True
 
 
-def _cost_model(engine: LLMEngine, options: ServeOptions) -> CostModel:
-    """FLOPs and bytes per step of the loaded model against the device's peaks: given, else from the
-    catalog (known GPUs) or this CPU's cached measurement; unknown peaks leave MFU/MBU undefined."""
-    peaks = known_peaks(engine.device, options.peak_tflops, options.peak_bandwidth_gbs)
-    return CostModel.for_model(engine.model_config, str(engine.dtype).removeprefix("torch."), peaks,
-                               options.cost_per_hour, options.max_num_batched_tokens)
-
-
 def serve(options: ServeOptions) -> int:
-    """Load the model and serve until a signal drains the server; returns the exit status."""
+    """Load the model and serve until a signal drains the server; returns the exit status.
+
+    The engine runs in a process of its own (forked first, before this process has a thread),
+    unless options.engine_process is False or torchrun started us (then on this process's main
+    thread, uvicorn on another)."""
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     chat_template = None if options.chat_template is None else read_chat_template(options.chat_template)
-    engine = LLMEngine(EngineConfig(
+    config = _engine_config(options)
+    if options.engine_process and options.rendezvous is None:
+        client = EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs)
+        try:
+            engine = client.wait_ready(_load_tokenizer, _grammar_compiler)
+            return _serve(options, AsyncLLMEngine(core=client, **_engine_options(options)), engine.info.peaks,
+                          engine.info.dtype, chat_template, measure_here=False)
+        finally:
+            client.shutdown()
+    engine = LLMEngine(config)
+    try:
+        peaks = known_peaks(engine.device, options.peak_tflops, options.peak_bandwidth_gbs)
+        return _serve(options, AsyncLLMEngine(engine, **_engine_options(options)), peaks,
+                      str(engine.dtype).removeprefix("torch."), chat_template, measure_here=engine.device.type == "cpu")
+    finally:
+        engine.shutdown()
+
+
+def _engine_config(options: ServeOptions) -> EngineConfig:
+    return EngineConfig(
         model=options.model,
         dtype=options.dtype,
         device=options.device,
@@ -140,14 +159,39 @@ def serve(options: ServeOptions) -> int:
             max_num_batched_tokens=options.max_num_batched_tokens,
             max_model_len=options.max_model_len,
         ),
-    ))
+    )
+
+
+def _engine_options(options: ServeOptions) -> dict:
+    return {"max_queued_requests": options.max_queued_requests, "stall_timeout": options.stream_stall_timeout}
+
+
+def _load_tokenizer(info: EngineInfo):
+    from tokenmill.models.loader import load_tokenizer
+
+    return load_tokenizer(Path(info.model_path))
+
+
+def _grammar_compiler(tokenizer, info: EngineInfo) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, info.model_config.vocab_size, info.model_config.eos_token_ids)
+
+
+def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePeaks, dtype: str,
+           chat_template: str | None, measure_here: bool) -> int:
+    """Serve an engine (here or in its process) until a drain or its death; returns the exit status.
+
+    peaks: the device's, known so far (an engine process fills them in when it has measured the
+    CPU; measure_here: measure it from this process, while the engine is idle)."""
+    engine = async_engine.engine
     # A name, never a path, is what /v1/models shows; the --model argument as given is accepted too.
     model_name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_MODEL_NAME)
-    cost_model = _cost_model(engine, options)
+    # FLOPs and bytes per step of the loaded model against the device's peaks: given, else from the
+    # catalog (known GPUs) or this CPU's cached measurement; unknown peaks leave MFU/MBU undefined.
+    cost_model = CostModel.for_model(engine.model_config, dtype, peaks, options.cost_per_hour,
+                                     options.max_num_batched_tokens)
     metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window),
                              log_prompts=options.log_prompts)
-    async_engine = AsyncLLMEngine(engine, options.max_queued_requests, step_observer=metrics.observe_step,
-                                  stall_timeout=options.stream_stall_timeout)
+    async_engine.step_observer = metrics.observe_step
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts,
@@ -164,7 +208,7 @@ def serve(options: ServeOptions) -> int:
     server = DrainingServer(config, ctx, options.drain_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
-    # uvicorn on a second thread, the engine loop on this (main) thread: see run_engine_loop
+    # uvicorn on a second thread, the engine loop (or the engine process's results) on this main thread
     http_thread = threading.Thread(target=_run_http, args=(server, async_engine), name="tokenmill-http")
     logger.info("serving %s on http://%s:%d/v1%s", model_name, options.host, options.port,
                 f" (console: http://{options.host}:{options.port}/)" if options.ui else "")
@@ -174,7 +218,7 @@ def serve(options: ServeOptions) -> int:
             return 1
     probe = None
     try:
-        if engine.device.type == "cpu":  # refine (or find) this CPU's peaks while nothing is being served
+        if measure_here:  # refine (or find) this CPU's peaks while nothing is being served
             probe = measure_cpu_when_idle(cost_model.peaks, lambda: async_engine.is_idle, options.peak_tflops,
                                           options.peak_bandwidth_gbs)
         async_engine.run_engine_loop()  # returns on shutdown, or when the engine died (fatal_error)
@@ -188,7 +232,6 @@ def serve(options: ServeOptions) -> int:
     finally:
         if probe is not None:
             probe.stop()
-        engine.shutdown()
     if async_engine.fatal_error is not None:
         return 1
     return 0 if server.started else 1

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from tokenmill.engine.engine_core import EngineStats
+from tokenmill.engine.engine_info import EngineStats
 from tokenmill.engine.metrics import LatencyWindow, UtilizationWindow
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.recent_requests import RecentRequests

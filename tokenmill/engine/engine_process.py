@@ -1,0 +1,154 @@
+"""The engine process: an LLMEngine and its EngineLoop, fed and read over ZeroMQ (wire.py).
+
+Started by EngineProcessClient (engine_client.py), forked before the server has loaded anything
+or started any thread. Its main thread steps the engine (torch runs faster there); one thread
+reads commands. It ignores SIGINT/SIGTERM: the server drains first, then sends STOP; if the server
+process dies, so does this one (PR_SET_PDEATHSIG, and a check of the parent while idle).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine import wire
+from tokenmill.engine.device_peaks import DevicePeaks, known_peaks, measure_cpu_when_idle
+from tokenmill.engine.engine_info import EngineInfo
+from tokenmill.engine.engine_loop import EngineLoop
+
+logger = logging.getLogger("tokenmill.engine")
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class EngineProcessArgs:
+    """What the engine process is started with (inherited through fork: nothing is serialized)."""
+
+    config: EngineConfig
+    commands_address: str  # ipc://... the server binds; this process reads commands from it
+    results_address: str  # ipc://... this process sends results to
+    peak_tflops: float | None = None
+    peak_bandwidth_gbs: float | None = None
+    measure_peaks: bool = True  # a CPU engine measures the CPU's peaks while idle, unless both are given
+
+
+def run_engine_process(args: EngineProcessArgs) -> None:
+    """The engine process's whole life; its exit status is 0 after STOP, 1 if it failed or died."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    _die_with_parent()
+    context = zmq.Context()
+    results = context.socket(zmq.PUSH)
+    results.connect(args.results_address)
+    commands = context.socket(zmq.PULL)
+    commands.connect(args.commands_address)
+    codec = wire.Codec()
+    send_lock = threading.Lock()  # the results socket is shared by the loop and the peaks probe
+
+    def send(kind: bytes, payload=None) -> None:
+        frames = codec.encode(kind, payload)
+        with send_lock:
+            results.send_multipart(frames)
+
+    status = 1
+    reader = CommandReader(commands, codec)
+    try:
+        from tokenmill.engine.engine_core import LLMEngine  # torch is imported here, not in the server
+
+        try:
+            engine = LLMEngine(args.config)
+        except Exception as exc:
+            logger.debug("engine start failed", exc_info=exc)
+            send(wire.FAILED, wire.to_wire_error(exc))
+            return
+        status = _serve(engine, args, send, reader, parent)
+    finally:
+        reader.stop()
+        commands.close(linger=0)
+        results.close(linger=2000)  # the last messages (DEAD) still reach the server
+        context.term()
+        sys.exit(status)
+
+
+def _serve(engine, args: EngineProcessArgs, send, reader: CommandReader, parent: int) -> int:
+    loop = EngineLoop(engine, lambda result: send(wire.STEP, result))
+    peaks = known_peaks(engine.device, args.peak_tflops, args.peak_bandwidth_gbs)
+    send(wire.READY, engine_info(engine, peaks))
+    reader.start(loop)
+    probe = None
+    if args.measure_peaks and engine.device.type == "cpu":
+        probe = measure_cpu_when_idle(peaks, lambda: loop.is_idle, args.peak_tflops, args.peak_bandwidth_gbs,
+                                      on_measured=lambda measured: send(wire.PEAKS, measured))
+    try:
+        fatal = loop.run(still_wanted=lambda: os.getppid() == parent)
+    finally:
+        if probe is not None:
+            probe.stop()
+        engine.shutdown()
+    if fatal is not None:
+        send(wire.DEAD, wire.to_wire_error(fatal))
+        return 1
+    return 0
+
+
+def engine_info(engine, peaks: DevicePeaks) -> EngineInfo:
+    return EngineInfo(
+        model_path=str(engine.model_path), model_config=engine.model_config,
+        dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device), limits=engine.limits,
+        facts=engine.facts(), stats=engine.stats(), peaks=peaks)
+
+
+class CommandReader:
+    """The thread that hands each command to the loop; STOP ends it (so does stop())."""
+
+    POLL_MS = 200
+
+    def __init__(self, socket, codec: wire.Codec) -> None:
+        self.socket = socket
+        self.codec = codec
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, loop: EngineLoop) -> None:
+        self._thread = threading.Thread(target=self._run, args=(loop,), name="tokenmill-commands", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Wait for the thread to let go of the socket (within one poll)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self, loop: EngineLoop) -> None:
+        while not self._stopping.is_set():
+            if not self.socket.poll(self.POLL_MS):
+                continue
+            kind, payload = self.socket.recv_multipart()
+            if kind == wire.STOP:
+                loop.request_stop()
+                return
+            try:
+                loop.submit(self.codec.decode(kind, payload))
+            except Exception:  # a message we cannot read is the server's bug: say so, keep serving
+                logger.exception("engine process: unreadable %r message", kind[:16])
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when the server that forked it exits (elsewhere: the idle
+    check of the parent pid does it)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
