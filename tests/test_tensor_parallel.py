@@ -87,19 +87,20 @@ def test_default_model_tp3_matches_and_tp2_is_refused(default_llm):
         _assert_same(reference, tp.generate(prompts, params, use_tqdm=False))
 
 
-def _worker_pids(parent_pid: int) -> list[int]:
-    pids = []
+def _worker_pids(server_pid: int) -> list[int]:
+    """The tensor-parallel workers under a server: its children, or its engine process's."""
+    processes = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
+            processes[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == parent_pid and b"tokenmill.executor.tp_worker" in cmdline:
-            pids.append(int(entry.name))
-    return pids
+    parents = {server_pid} | {pid for pid, (ppid, _) in processes.items() if ppid == server_pid}
+    return [pid for pid, (ppid, cmdline) in processes.items()
+            if ppid in parents and b"tokenmill.executor.tp_worker" in cmdline]
 
 
 def test_server_ends_with_a_clear_error_when_a_worker_dies(tiny_llama_dir, tmp_path):

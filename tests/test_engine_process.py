@@ -1,0 +1,178 @@
+"""The engine in its own process: the wire's typed messages, and a real `tokenmill serve` whose
+engine process is killed, signalled, or outlived by its server."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+from server_harness import free_port, read_event, start_server, wait_until
+
+from tokenmill.engine import wire
+from tokenmill.engine.engine_info import EngineStats
+from tokenmill.engine.engine_loop import AddCommand, StepResult
+from tokenmill.engine.kv_cache_manager import KVCacheStats
+from tokenmill.engine.metrics import StepStats
+from tokenmill.errors import InvalidParameterError, RequestTooLongError
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def _stats() -> EngineStats:
+    kv = KVCacheStats(64, 3, 61, 3 / 64, 48, 40, 1 - 40 / 48, 10, 4)
+    return EngineStats(2, 1, 0, kv, num_steps=7, last_step=StepStats(1.0, 0.02, 2, 9, 2, 40, 30, 7))
+
+
+def test_step_results_cross_the_wire_whole():
+    codec = wire.Codec()
+    output = RequestOutput(
+        "cmpl-1", None, [1, 2, 3],
+        [CompletionOutput(0, " mill", [17], logprobs=[{17: Logprob(-0.25, 1, " mill"), 9: Logprob(-2.0, 2, " m")}]),
+         CompletionOutput(1, "", [], finish_reason="stop", stop_reason="\n")],
+        finished=False, metrics=RequestMetrics(10.0, 10.1, 10.2), num_cached_tokens=16,
+        prompt_logprobs=[None, {2: Logprob(-1.5, 3, "b")}])
+    failed = RequestOutput("cmpl-2", "p", [5], [], True, RequestMetrics(11.0),
+                           error=RequestTooLongError("too long", param="max_tokens"))
+    result = StepResult(12.5, [output, failed], _stats(),
+                        {"cmpl-3": InvalidParameterError("bad grammar", param="response_format"),
+                         "cmpl-4": ZeroDivisionError("division by zero")})
+    back = codec.decode(*codec.encode(wire.STEP, result))
+    assert back.outputs[0] == output and back.stats == result.stats and back.end_time == 12.5
+    error = back.outputs[1].error
+    assert type(error) is RequestTooLongError and error.message == "too long" and error.param == "max_tokens"
+    assert type(back.errors["cmpl-3"]) is InvalidParameterError and back.errors["cmpl-3"].param == "response_format"
+    # not one of ours: a plain RuntimeError (the server answers 500 "internal server error" for it)
+    assert type(back.errors["cmpl-4"]) is RuntimeError and "ZeroDivisionError" in str(back.errors["cmpl-4"])
+
+
+def test_commands_cross_the_wire_whole():
+    codec = wire.Codec()
+    params = SamplingParams(n=2, temperature=0.7, top_k=40, logit_bias={5: -3.0}, stop=["\n\n"], seed=-(2 ** 62),
+                            stop_token_ids=[2], logprobs=3, structured_outputs=StructuredOutputsParams(
+                                json={"type": "object", "properties": {"a": {"type": "integer"}}}))
+    command = AddCommand("chatcmpl-9", [1, 2, 3], params, "the prompt", 123.25)
+    back = codec.decode(*codec.encode(wire.ADD, command))
+    assert back == command and back.params.stop_strings == ["\n\n"]
+    assert codec.decode(*codec.encode(wire.ABORT, "chatcmpl-9")) == "chatcmpl-9"
+
+
+def test_the_wire_decodes_only_the_type_its_kind_names():
+    codec = wire.Codec()
+    kind, payload = codec.encode(wire.STEP, StepResult(1.0, [], _stats(), {}))
+    with pytest.raises(msgspec.ValidationError):
+        codec.decode(wire.ADD, payload)  # a step result is not a command
+    with pytest.raises(msgspec.DecodeError):
+        codec.decode(wire.ADD, pickle.dumps(AddCommand("x", [1], SamplingParams(), None, 0.0)))
+    with pytest.raises(ValueError, match="unknown engine message"):
+        codec.decode(b"exec", payload)
+
+
+def _engine_pid(server) -> int:
+    children = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 1, children  # the engine process, and nothing else
+    return int(children[0])
+
+
+def _complete(server, prompt: str) -> str:
+    response = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                               "ignore_eos": True})
+    assert response.status == 200, response.body
+    return response.json()["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_llama_dir, tmp_path_factory):
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path_factory.mktemp("engine"))
+    yield server
+    server.stop()
+
+
+def test_the_engine_runs_in_its_own_process_and_ignores_terminal_signals(engine_server):
+    engine_pid = _engine_pid(engine_server)
+    before = _complete(engine_server, "The mill turns")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C to the process group: the server drains, not the engine
+        os.kill(engine_pid, sig)
+    time.sleep(0.5)
+    assert _complete(engine_server, "The mill turns") == before
+    assert _engine_pid(engine_server) == engine_pid
+
+
+def test_in_process_engine_gives_the_same_tokens(engine_server, tiny_llama_dir, tmp_path):
+    expected = _complete(engine_server, "Water runs under the")
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--no-engine-process"], tmp_path)
+    try:
+        children = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout
+        assert children.split() == []
+        assert _complete(server, "Water runs under the") == expected
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_killed_engine_process_fails_in_flight_requests_and_ends_the_server(tiny_llama_dir, tmp_path):
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path)
+    try:
+        engine_pid = _engine_pid(server)
+        conn, running = server.open_stream("/v1/completions", {"prompt": "a long one", "max_tokens": 480,
+                                                               "ignore_eos": True})
+        assert read_event(running)["choices"]
+        os.kill(engine_pid, signal.SIGKILL)
+        events = []
+        while (event := read_event(running)) not in (None, "[DONE]"):
+            events.append(event)
+        conn.close()
+        assert events[-1]["error"]["type"] == "engine_dead"
+        assert "killed by signal 9" in events[-1]["error"]["message"]
+        statuses = set()
+        while server.process.poll() is None:
+            try:
+                statuses.add(server.request("GET", "/health", timeout=2).status)
+                statuses.add(server.request("GET", "/ready", timeout=2).status)
+                statuses.add(server.post("/v1/completions", {"prompt": "anyone?", "max_tokens": 2}, timeout=2).status)
+            except OSError:
+                pass
+            time.sleep(0.05)
+        assert statuses == {503}
+        assert server.process.wait(10) == 1  # for the supervisor to restart us
+    finally:
+        server.stop()
+    assert "the engine process is gone (killed by signal 9)" in server.log()
+
+
+def test_the_engine_process_does_not_outlive_its_server(tiny_llama_dir, tmp_path):
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path)
+    engine_pid = _engine_pid(server)
+    server.stop(signal.SIGKILL)  # no drain, no STOP: the kernel tells the engine (PR_SET_PDEATHSIG)
+    assert wait_until(lambda: not os.path.exists(f"/proc/{engine_pid}") or _is_zombie(engine_pid), 10)
+
+
+def test_a_drained_server_stops_its_engine_process(tiny_llama_dir, tmp_path):
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path)
+    engine_pid = _engine_pid(server)
+    assert _complete(server, "A paged cache holds")
+    assert server.stop(signal.SIGTERM) == 0
+    assert not os.path.exists(f"/proc/{engine_pid}") or _is_zombie(engine_pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_an_engine_that_cannot_load_is_a_one_line_error(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(broken),
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tokenmill: error: ") and "broken.gguf" in last
+    assert "Traceback" not in result.stderr
