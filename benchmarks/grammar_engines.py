@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tokenmill.models.loader import default_model_path, load_tokenizer
+from tokenmill.models.model_files import default_model_path, load_tokenizer
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},

@@ -71,7 +71,7 @@ def run_hf(workload: dict, dtype: str) -> dict:
     import torch
     import transformers
 
-    from tokenmill.models.loader import default_model_path, load_tokenizer
+    from tokenmill.models.model_files import default_model_path, load_tokenizer
 
     path = default_model_path()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -98,7 +98,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
             command += ["--peak-tflops", str(peaks.bf16_tflops), "--peak-bandwidth-gbs", str(peaks.bandwidth_gbs)]
         return command, env
     if name == "llama.cpp":
-        from tokenmill.models.loader import default_model_path
+        from tokenmill.models.model_files import default_model_path
 
         return [str(args.llama_server), "-m", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
                 "-t", str(os.cpu_count()), "-tb", str(os.cpu_count()), "-np", "16", "-c", "8192", "--no-webui",
@@ -189,7 +189,7 @@ def roofline(result: dict) -> dict:
 
     from tokenmill.hardware import cached_cpu_peaks, measure_cpu_peaks
     from tokenmill.models.gguf_loader import GGUFFile
-    from tokenmill.models.loader import default_model_path
+    from tokenmill.models.model_files import default_model_path
 
     gguf = GGUFFile(default_model_path())
     config = gguf.model_config()
@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, a smoke run")
     args = parser.parse_args()
 
-    from tokenmill.models.loader import default_model_path, load_tokenizer
+    from tokenmill.models.model_files import default_model_path, load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
     num = 16 if args.quick else 64

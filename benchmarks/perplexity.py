@@ -28,7 +28,7 @@ WEIGHTS = {"bf16": "none", "Q4_1": None, "int8": "int8", "int4": "int4"}
 
 
 def windows(num: int, length: int) -> list[list[int]]:
-    from tokenmill.models.loader import default_model_path, load_tokenizer
+    from tokenmill.models.model_files import default_model_path, load_tokenizer
 
     ids = load_tokenizer(default_model_path())(DATA.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     stride = (len(ids) - length) // max(1, num - 1)

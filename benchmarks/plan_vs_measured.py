@@ -23,7 +23,8 @@ def main() -> None:
 
     from tokenmill import LLM, SamplingParams
     from tokenmill.hardware import this_cpu
-    from tokenmill.models.loader import default_model_path, load_model_config
+    from tokenmill.models.loader import load_model_config
+    from tokenmill.models.model_files import default_model_path
     from tokenmill.models.model_math import ModelMath
     from tokenmill.plan.planner import CPU_EFFICIENCY, CPU_KV_FRACTION, PlanInputs, batch_run_seconds, make_plan
     from tokenmill.platform import available_memory_bytes, resolve_dtype

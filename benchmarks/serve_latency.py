@@ -94,7 +94,7 @@ def main() -> None:
         print(json.dumps(offline_case(args.num_prompts, args.prompt_len, args.output_len)))
         return
 
-    from tokenmill.models.loader import default_model_path, load_tokenizer
+    from tokenmill.models.model_files import default_model_path, load_tokenizer
 
     prompts = build_prompts(load_tokenizer(default_model_path()), args.num_prompts, args.prompt_len)
     process = None if args.base_url else start_server(args.port)

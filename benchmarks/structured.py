@@ -55,7 +55,8 @@ async def run_phase(client: openai.AsyncOpenAI, model: str, requests: list[dict]
 
 def compile_times_ms(num: int) -> list[float]:
     from tokenmill.engine.structured_output import GrammarCompiler
-    from tokenmill.models.loader import default_model_path, load_model_config, load_tokenizer
+    from tokenmill.models.loader import load_model_config
+    from tokenmill.models.model_files import default_model_path, load_tokenizer
     from tokenmill.sampling_params import StructuredOutputsParams
 
     config, tokenizer = load_model_config(default_model_path()), load_tokenizer(default_model_path())

@@ -31,7 +31,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     TOKENMILL_TEST_TOKENIZER_DIR names a saved copy instead, for machines without the default
     model (a GPU box that cannot install it).
     """
-    from tokenmill.models.loader import default_model_path, load_tokenizer
+    from tokenmill.models.model_files import default_model_path, load_tokenizer
 
     if os.environ.get("TOKENMILL_TEST_TOKENIZER_DIR"):
         return Path(os.environ["TOKENMILL_TEST_TOKENIZER_DIR"])

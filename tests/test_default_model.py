@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill import SamplingParams
-from tokenmill.models.loader import DEFAULT_MODEL_FILE, default_model_path
+from tokenmill.models.model_files import DEFAULT_MODEL_FILE, default_model_path
 
 pytestmark = pytest.mark.slow
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -101,6 +102,19 @@ def test_the_engine_runs_in_its_own_process_and_ignores_terminal_signals(engine_
     time.sleep(0.5)
     assert _complete(engine_server, "The mill turns") == before
     assert _engine_pid(engine_server) == engine_pid
+
+
+def test_a_gguf_models_server_process_never_loads_torch(tmp_path):
+    """torch (~220 MB resident) is the engine process's alone. (An HF directory's tokenizer goes
+    through transformers' AutoTokenizer, which imports torch; a GGUF's cached one does not.)"""
+    server = start_server(["--max-model-len", "512"], tmp_path)
+    try:
+        engine_pid = _engine_pid(server)
+        assert _complete(server, "The mill turns")
+        assert "libtorch" in Path(f"/proc/{engine_pid}/maps").read_text()
+        assert "libtorch" not in Path(f"/proc/{server.process.pid}/maps").read_text()
+    finally:
+        assert server.stop() == 0
 
 
 def test_in_process_engine_gives_the_same_tokens(engine_server, tiny_llama_dir, tmp_path):

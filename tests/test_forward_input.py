@@ -9,7 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from tokenmill.engine.scheduler_output import PromptLogprobsRequest, SamplingRequest, ScheduledSequence, SchedulerOutput
-from tokenmill.executor.tensor_parallel import SPEC_KEY, Rendezvous, open_master_store
+from tokenmill.executor.rendezvous import Rendezvous
+from tokenmill.executor.tensor_parallel import SPEC_KEY, open_master_store
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.forward_input import ForwardInput, MalformedStepError
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tokenmill.models.gguf_format import GGUFContents, GGUFFormatError, StringArray
-from tokenmill.models.loader import default_model_path
+from tokenmill.models.model_files import default_model_path
 
 
 def _write(path, with_tensors=True):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
-from tokenmill.models import loader
 from tokenmill.models.loader import load_model
+from tokenmill.models.model_files import default_model_path
 
 CPU = torch.device("cpu")
 
@@ -38,7 +38,7 @@ def test_garbage_gguf(tmp_path):
 
 
 def test_truncated_gguf(tmp_path):
-    source = loader.default_model_path()
+    source = default_model_path()
     path = tmp_path / "truncated.gguf"
     with open(source, "rb") as f:
         path.write_bytes(f.read(3_000_000))

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command in ("serve", "generate"):
-            from tokenmill.executor.tensor_parallel import torchrun_rendezvous
+            from tokenmill.executor.rendezvous import torchrun_rendezvous
 
             launch = torchrun_rendezvous()
             if launch is not None:  # started by torchrun: rank 0 runs the engine, the others are its workers

@@ -1,4 +1,8 @@
-"""Device and dtype choice: the one place that knows what hardware we run on."""
+"""Device and dtype choice: the one place that knows what hardware we run on.
+
+torch is imported by the functions that need it, not by this module: a server whose engine runs
+in another process reads the host's facts here and never loads torch (~220 MB resident).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,20 @@ import ctypes
 import functools
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill.errors import InvalidParameterError
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
     """"auto" picks CUDA when present, else the CPU."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -53,24 +61,29 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """"auto" is bfloat16 on CUDA and on CPUs with native bf16, float32 otherwise."""
+    import torch
+
+    dtypes = {name: getattr(torch, name) for name in DTYPE_NAMES}
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if dtype not in dtypes.values():
             raise InvalidParameterError(f"unsupported dtype {dtype}", param="dtype")
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    if dtype not in _DTYPES:
+    if dtype not in dtypes:
         raise InvalidParameterError(
-            f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}", param="dtype"
+            f"dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {dtype!r}", param="dtype"
         )
-    return _DTYPES[dtype]
+    return dtypes[dtype]
 
 
 def available_memory_bytes(device: torch.device) -> int:
     """Free memory on the device (CUDA) or available RAM (CPU)."""
     if device.type == "cuda":
+        import torch
+
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return _meminfo_bytes("MemAvailable") or int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
@@ -128,6 +141,8 @@ def set_cpu_threads(num_ranks: int = 1) -> int:
     """Give each of num_ranks processes sharing this machine an equal share of its physical cores
     (hyper-threads slow GEMMs down) as torch intra-op threads, or of OMP_NUM_THREADS if the user
     pinned it. Idempotent: the same number whenever it is called. Returns it."""
+    import torch
+
     threads = max(1, _cpu_budget() // num_ranks)
     torch.set_num_threads(threads)
     return threads

@@ -14,10 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill import hardware
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ def known_peaks(device: torch.device, peak_tflops: float | None = None,
     tflops, gbs = peak_tflops, peak_bandwidth_gbs
     if tflops is None or gbs is None:
         if device.type == "cuda":
+            import torch
+
             entry = hardware.match_cuda_device(torch.cuda.get_device_name(device))
             known = None if entry is None else (entry.bf16_tflops, entry.bandwidth_gbs)
         else:

@@ -8,11 +8,14 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.device_peaks import DevicePeaks
-from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.models.model_math import ModelMath
+
+if TYPE_CHECKING:
+    from tokenmill.engine.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill.errors import InvalidParameterError
 from tokenmill.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ def token_bitmasks(matchers: list[GrammarMatcher]) -> torch.Tensor:
     word w set when token 32 * w + j is allowed. Computed on llguidance's threads, without the GIL.
     (Straight through the executor: `llguidance.torch` would import torch._dynamo, ~85 MB and ~2 s,
     for a torch.compile'd helper we do not use.)"""
+    import torch  # here: a server process checks constraints with this module and never loads torch
+
     bitmask = torch.full((len(matchers), (matchers[0].vocab_size + 31) // 32), -1, dtype=torch.int32)
     pairs = [(m.matcher, row) for row, m in enumerate(matchers)]
     matchers[0].executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, len(matchers))

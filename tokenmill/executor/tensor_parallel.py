@@ -12,7 +12,6 @@ no Python objects are ever unpickled from the wire.
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import EngineDeadError
+from tokenmill.executor.rendezvous import TOKEN_ENV, Rendezvous
 from tokenmill.layers.parallel import Communicator
 from tokenmill.models.loader import LoadedModel, load_model, load_model_config
 from tokenmill.models.sharding import check_divisible
@@ -44,22 +44,10 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 SPEC_KEY = "worker_spec"  # published before loading: every rank loads at once
 NUM_BLOCKS_KEY = "num_kv_blocks"  # published once rank 0 has sized the KV pool
-TOKEN_ENV = "TOKENMILL_TP_TOKEN"  # the secret under which every rank finds its keys
 
 
 class WorkerDiedError(EngineDeadError):
     """A tensor-parallel worker process is gone; the engine cannot continue."""
-
-
-@dataclass
-class Rendezvous:
-    """Where the ranks meet: rank 0 hosts a TCPStore at host:port (port 0: any free one)."""
-
-    host: str
-    port: int
-    world_size: int
-    spawn_workers: bool = True  # False under torchrun, which starts the other ranks itself
-    token: str = ""  # keys live under it; spawned workers get it in their environment
 
 
 def open_master_store(rendezvous: Rendezvous) -> tuple[dist.Store, socket.socket | None]:
@@ -207,25 +195,3 @@ class TensorParallelExecutor:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-
-
-def torchrun_rendezvous() -> tuple[int, Rendezvous] | None:
-    """(rank, rendezvous) when this process was started by torchrun with more than one rank. The
-    ranks use torchrun's store at MASTER_ADDR:MASTER_PORT; every rank needs the same
-    TOKENMILL_TP_TOKEN, which is required when the ranks span machines."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or "RANK" not in os.environ:
-        return None
-    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-    token = os.environ.get(TOKEN_ENV, "")
-    if not token and not _is_loopback(host):
-        raise EngineDeadError(f"a multi-node launch (MASTER_ADDR={host}) needs the same secret in {TOKEN_ENV} "
-                              "on every rank")
-    return int(os.environ["RANK"]), Rendezvous(host, port, world, spawn_workers=False, token=token)
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False

@@ -16,8 +16,9 @@ import sys
 import torch
 
 from tokenmill.errors import TokenmillError
+from tokenmill.executor.rendezvous import TOKEN_ENV
 from tokenmill.executor.tensor_parallel import (
-    NUM_BLOCKS_KEY, SPEC_KEY, TOKEN_ENV, WorkerSpec, make_group, open_worker_store, receive_step,
+    NUM_BLOCKS_KEY, SPEC_KEY, WorkerSpec, make_group, open_worker_store, receive_step,
 )
 from tokenmill.layers.parallel import Communicator
 from tokenmill.models.loader import load_model

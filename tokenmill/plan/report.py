@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.models.loader import load_model_config, resolve_model_path
+    from tokenmill.models.loader import load_model_config
+    from tokenmill.models.model_files import resolve_model_path
 
     model_path = resolve_model_path(args.model)
     model = ModelMath(load_model_config(model_path))

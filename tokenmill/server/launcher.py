@@ -16,7 +16,6 @@ from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.device_peaks import DevicePeaks, known_peaks, measure_cpu_when_idle
 from tokenmill.engine.engine_client import EngineProcessClient
-from tokenmill.engine.engine_core import LLMEngine
 from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.metrics import CostModel, UtilizationWindow
 from tokenmill.engine.structured_output import GrammarCompiler
@@ -135,6 +134,8 @@ def serve(options: ServeOptions) -> int:
                           engine.info.dtype, chat_template, measure_here=False)
         finally:
             client.shutdown()
+    from tokenmill.engine.engine_core import LLMEngine  # torch: only a process that runs the engine loads it
+
     engine = LLMEngine(config)
     try:
         peaks = known_peaks(engine.device, options.peak_tflops, options.peak_bandwidth_gbs)
@@ -167,7 +168,7 @@ def _engine_options(options: ServeOptions) -> dict:
 
 
 def _load_tokenizer(info: EngineInfo):
-    from tokenmill.models.loader import load_tokenizer
+    from tokenmill.models.model_files import load_tokenizer
 
     return load_tokenizer(Path(info.model_path))
 
