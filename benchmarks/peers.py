@@ -89,8 +89,10 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600) -> No
 
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ)
-    if name == "tokenmill":
+    if name in ("tokenmill", "tokenmill-1p"):
         command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        if name == "tokenmill-1p":  # the engine on the server process's main thread (before issue 15)
+            command.append("--no-engine-process")
         from tokenmill.hardware import cached_cpu_peaks
 
         peaks = cached_cpu_peaks()  # given, so that no background measurement runs while a peer decodes
@@ -219,6 +221,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--w1-rounds", type=int, default=2, help="times each engine decodes each W1 prompt")
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, a smoke run")
+    parser.add_argument("--in-process-too", action="store_true",
+                        help="also run tokenmill-1p: tokenmill serve --no-engine-process (one process)")
     args = parser.parse_args()
 
     from tokenmill.models.model_files import default_model_path, load_tokenizer
@@ -230,7 +234,7 @@ def main() -> None:
     long_prompts = build_prompts(tokenizer, num + 3, 256)
     prompts = {"warmup": salted(long_prompts[:4], 11), "w1": [p[:128] for p in salted(long_prompts[-3:], 12)],
                "w2": salted(long_prompts[:num], 13), "w3": salted(long_prompts[:num], 14)}
-    engines = ["tokenmill"]
+    engines = ["tokenmill"] + (["tokenmill-1p"] if args.in_process_too else [])
     if args.llama_server.is_file():
         engines.append("llama.cpp")
     else:
