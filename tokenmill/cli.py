@@ -56,6 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise TokenmillError("--max-queued-requests must be at least 1")
+    if args.data_parallel_size < 1:
+        raise TokenmillError("--data-parallel-size must be at least 1")
     options = ServeOptions(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
     options.quantization = _quantization(options.quantization)
     return serve(options)
@@ -90,6 +92,10 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the web console at /")
     serve.add_argument("--no-engine-process", dest="engine_process", action="store_false",
                        help="step the engine on this process's main thread instead of a process of its own")
+    serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="N engine processes (replicas), each on an equal share of the CPUs")
+    serve.add_argument("--routing", choices=["cache_aware", "round_robin"], default="cache_aware",
+                       help="how requests are spread over replicas: longest cached prefix, else least loaded")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template to use instead of the model's")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

@@ -103,6 +103,8 @@ class CacheConfig:
     # are reused: beyond it, resident KV grows only with what is in use at once.
     prefix_cache_reserve: float = 0.25
     num_blocks: int | None = None  # overrides the memory budget (tests)
+    # Keys the prefix-block hashes; None: random per engine. Replicas behind one router share one.
+    prefix_hash_key: bytes | None = None
 
     def memory_fraction(self, device_type: str) -> float:
         """The share of available memory the KV pool takes when no byte budget is given."""

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 250  # how often run() looks at the process while no message comes
 STOP_TIMEOUT = 30.0  # seconds an engine process may take to exit after STOP before it is killed
+RUNNING = object()  # follow(): the engine goes on
 
 
 @dataclass
@@ -93,11 +94,11 @@ class EngineProcessClient:
 
     @classmethod
     def start(cls, config: EngineConfig, peak_tflops: float | None = None, peak_bandwidth_gbs: float | None = None,
-              measure_peaks: bool = True) -> EngineProcessClient:
+              measure_peaks: bool = True, cpu_cores: list[int] | None = None) -> EngineProcessClient:
         """Fork the engine process. Call it before this process starts any thread."""
         directory = Path(tempfile.mkdtemp(prefix="tokenmill-engine-"))  # mode 0700: only this user connects
         args = EngineProcessArgs(config, f"ipc://{directory}/commands", f"ipc://{directory}/results",
-                                 peak_tflops, peak_bandwidth_gbs, measure_peaks)
+                                 peak_tflops, peak_bandwidth_gbs, measure_peaks, cpu_cores)
         # fork, not spawn: nothing is pickled, and what this process set up (logging) carries over
         return cls(args, ForkedProcess.start(run_engine_process, args), directory)
 
@@ -106,7 +107,7 @@ class EngineProcessClient:
                    make_grammars: Callable[[object, EngineInfo], object]) -> RemoteEngine:
         """Block until the engine has loaded its model; raises the engine's error if it could not."""
         while True:
-            message = self._receive()
+            message = self.receive(POLL_MS)
             if message is None:
                 if not self.process.is_alive():
                     raise ModelLoadError(f"the engine process exited during start-up ({_exit_text(self.process)})")
@@ -149,29 +150,41 @@ class EngineProcessClient:
     def run(self) -> EngineDeadError | None:
         """Hand each result to publish until the engine process exits."""
         while True:
-            message = self._receive()
-            if message is None:
-                if self.process.is_alive():
-                    continue
-                if self._stop_sent and self.process.exitcode == 0:
-                    return None
-                self.fatal_error = EngineDeadError(f"the engine process is gone ({_exit_text(self.process)})")
-                logger.error("%s", self.fatal_error.message)
-                return self.fatal_error
-            kind, payload = message
-            if kind == wire.STEP:
-                self.engine.latest_stats = payload.stats
-                self.publish(payload)
-            elif kind == wire.PEAKS:  # filled in where the cost model reads them
-                self.engine.info.peaks.flops, self.engine.info.peaks.bandwidth = payload.flops, payload.bandwidth
-            elif kind == wire.DEAD:
-                error = wire.from_wire_error(payload)
-                self.fatal_error = EngineDeadError(error.message if isinstance(error, TokenmillError) else str(error))
-                self.process.join(STOP_TIMEOUT)
-                return self.fatal_error
+            outcome = self.follow(self.receive(POLL_MS))
+            if outcome is not RUNNING:
+                return outcome
 
-    def _receive(self) -> tuple[bytes, object] | None:
-        if not self._results.poll(POLL_MS):
+    def follow(self, message: tuple[bytes, object] | None):
+        """Act on one message (None: none came): RUNNING while the engine goes on; None once it
+        exited after STOP; the EngineDeadError when it died."""
+        if message is None:
+            if self.process.is_alive():
+                return RUNNING
+            if self._stop_sent and self.process.exitcode == 0:
+                return None
+            self.fatal_error = EngineDeadError(f"the engine process is gone ({_exit_text(self.process)})")
+            logger.error("%s", self.fatal_error.message)
+            return self.fatal_error
+        kind, payload = message
+        if kind == wire.STEP:
+            self.engine.latest_stats = payload.stats
+            self.publish(payload)
+        elif kind == wire.PEAKS:  # filled in where the cost model reads them
+            self.engine.info.peaks.flops, self.engine.info.peaks.bandwidth = payload.flops, payload.bandwidth
+        elif kind == wire.DEAD:
+            error = wire.from_wire_error(payload)
+            self.fatal_error = EngineDeadError(error.message if isinstance(error, TokenmillError) else str(error))
+            self.process.join(STOP_TIMEOUT)
+            return self.fatal_error
+        return RUNNING
+
+    @property
+    def results_socket(self) -> zmq.Socket:
+        """For a poller that follows several engine processes at once (replica_set.py)."""
+        return self._results
+
+    def receive(self, timeout_ms: int = 0) -> tuple[bytes, object] | None:
+        if not self._results.poll(timeout_ms):
             return None
         kind, payload = self._results.recv_multipart()
         return kind, self._codec.decode(kind, payload)

@@ -57,7 +57,7 @@ class LLMEngine:
         bytes_per_block = loaded.model.config.kv_bytes_per_block(cache.block_size, self.dtype.itemsize)
         num_blocks = cache.num_blocks or self._num_blocks_from_budget(bytes_per_block)
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                       prefix_cache_reserve=cache.prefix_cache_reserve)
+                                       hash_key=cache.prefix_hash_key, prefix_cache_reserve=cache.prefix_cache_reserve)
         self.scheduler = Scheduler(config.scheduler, self.max_model_len, self.kv_cache)
         self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, num_blocks, cache.block_size)
         self.executor.init_kv_cache(num_blocks)

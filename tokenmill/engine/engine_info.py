@@ -24,6 +24,30 @@ class EngineStats:
     last_step: StepStats | None = None
 
 
+def combine_stats(stats: list[EngineStats], up: list[bool]) -> EngineStats:
+    """Several engines' figures as one: what is in use now summed over the engines that are up,
+    what has been counted (steps, preemptions, prefix lookups) over all of them, so that a
+    replica's death never makes a counter go back."""
+    live = [s for s, is_up in zip(stats, up) if is_up]
+    kv = [s.kv_cache for s in live]
+    num_blocks = sum(k.num_blocks for k in kv)
+    used = sum(k.num_used_blocks for k in kv)
+    allocated = sum(k.num_slots_allocated for k in kv)
+    stored = sum(k.num_tokens_stored for k in kv)
+    combined_kv = KVCacheStats(
+        num_blocks=num_blocks, num_used_blocks=used, num_free_blocks=sum(k.num_free_blocks for k in kv),
+        usage=used / num_blocks if num_blocks else 0.0, num_slots_allocated=allocated, num_tokens_stored=stored,
+        waste=1 - stored / allocated if allocated else 0.0,
+        prefix_cache_queries=sum(s.kv_cache.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.kv_cache.prefix_cache_hits for s in stats))
+    steps = [s.last_step for s in stats if s.last_step is not None]
+    return EngineStats(
+        num_running=sum(s.num_running for s in live), num_waiting=sum(s.num_waiting for s in live),
+        num_preemptions=sum(s.num_preemptions for s in stats), kv_cache=combined_kv,
+        num_steps=sum(s.num_steps for s in stats),
+        last_step=max(steps, key=lambda step: step.start_time + step.duration) if steps else None)
+
+
 @dataclass(frozen=True)
 class EngineFacts:
     """What a dashboard shows about the loaded model and the engine around it."""

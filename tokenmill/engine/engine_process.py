@@ -39,6 +39,7 @@ class EngineProcessArgs:
     peak_tflops: float | None = None
     peak_bandwidth_gbs: float | None = None
     measure_peaks: bool = True  # a CPU engine measures the CPU's peaks while idle, unless both are given
+    cpu_cores: list[int] | None = None  # run on these CPUs only, one torch thread each (a data-parallel replica)
 
 
 def run_engine_process(args: EngineProcessArgs) -> None:
@@ -47,6 +48,9 @@ def run_engine_process(args: EngineProcessArgs) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     _die_with_parent()
+    if args.cpu_cores:
+        os.sched_setaffinity(0, args.cpu_cores)
+        os.environ["OMP_NUM_THREADS"] = str(len(args.cpu_cores))  # set_cpu_threads' budget
     context = zmq.Context()
     results = context.socket(zmq.PUSH)
     results.connect(args.results_address)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -18,6 +19,8 @@ from tokenmill.engine.device_peaks import DevicePeaks, known_peaks, measure_cpu_
 from tokenmill.engine.engine_client import EngineProcessClient
 from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.metrics import CostModel, UtilizationWindow
+from tokenmill.engine.replica_router import PrefixRouter
+from tokenmill.engine.replica_set import ReplicaSet, split_cpus
 from tokenmill.engine.structured_output import GrammarCompiler
 from tokenmill.errors import TokenmillError
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
@@ -65,6 +68,8 @@ class ServeOptions:
     tool_call_parser: str | None = None  # default: the format the chat template writes
     reasoning_parser: str | None = None  # qwen3 | deepseek_r1: <think> text -> reasoning_content
     engine_process: bool = True  # the engine in a process of its own (not under torchrun)
+    data_parallel_size: int = 1  # engine processes, each on its share of the CPUs
+    routing: str = "cache_aware"  # how requests are spread over them: cache_aware | round_robin
 
 
 def read_chat_template(path: str) -> str:
@@ -126,6 +131,8 @@ def serve(options: ServeOptions) -> int:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     chat_template = None if options.chat_template is None else read_chat_template(options.chat_template)
     config = _engine_config(options)
+    if options.data_parallel_size > 1:
+        return _serve_replicas(options, config, chat_template)
     if options.engine_process and options.rendezvous is None:
         client = EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs)
         try:
@@ -143,6 +150,36 @@ def serve(options: ServeOptions) -> int:
                       str(engine.dtype).removeprefix("torch."), chat_template, measure_here=engine.device.type == "cpu")
     finally:
         engine.shutdown()
+
+
+def _serve_replicas(options: ServeOptions, config: EngineConfig, chat_template: str | None) -> int:
+    """--data-parallel-size N: N engine processes, each on its own share of the CPUs (on CUDA they
+    would share the device: one GPU each is not done yet), one prefix-hash key for all and the router."""
+    if options.rendezvous is not None or options.tensor_parallel_size > 1 or not options.engine_process:
+        raise TokenmillError("--data-parallel-size needs engine processes: not with --tensor-parallel-size, "
+                             "torchrun or --no-engine-process")
+    try:
+        shares = split_cpus(options.data_parallel_size)
+    except ValueError as exc:
+        raise TokenmillError(f"--data-parallel-size: {exc}") from None
+    config.cache.prefix_hash_key = secrets.token_bytes(16)  # this deployment's: replicas and router agree
+    clients = []
+    try:
+        for cores in shares:  # all forked before this process starts a thread
+            clients.append(EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs,
+                                                     measure_peaks=False, cpu_cores=cores))
+        first = clients[0].wait_ready(_load_tokenizer, _grammar_compiler)
+        for client in clients[1:]:
+            client.wait_ready(lambda info: first.tokenizer, lambda tokenizer, info: first.grammars)
+        limits = first.info.limits
+        router = PrefixRouter([c.engine.info.limits.num_kv_blocks for c in clients], limits.block_size,
+                              config.cache.prefix_hash_key, options.routing)
+        replicas = ReplicaSet(clients, router)
+        return _serve(options, AsyncLLMEngine(core=replicas, **_engine_options(options)), first.info.peaks,
+                      first.info.dtype, chat_template, measure_here=False, replicas=replicas)
+    finally:
+        for client in clients:
+            client.shutdown()
 
 
 def _engine_config(options: ServeOptions) -> EngineConfig:
@@ -178,7 +215,7 @@ def _grammar_compiler(tokenizer, info: EngineInfo) -> GrammarCompiler:
 
 
 def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePeaks, dtype: str,
-           chat_template: str | None, measure_here: bool) -> int:
+           chat_template: str | None, measure_here: bool, replicas: ReplicaSet | None = None) -> int:
     """Serve an engine (here or in its process) until a drain or its death; returns the exit status.
 
     peaks: the device's, known so far (an engine process fills them in when it has measured the
@@ -193,6 +230,8 @@ def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePea
     metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window),
                              log_prompts=options.log_prompts)
     async_engine.step_observer = metrics.observe_step
+    if replicas is not None:
+        metrics.replica_source = replicas.statuses
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -40,6 +41,15 @@ _LATENCY_GAUGES = {
     "time_to_first_token_p99_seconds": "99th percentile time to first token",
     "inter_token_latency_p50_seconds": "Median time between two tokens of a sequence",
     "inter_token_latency_p99_seconds": "99th percentile time between two tokens of a sequence",
+}
+# per data-parallel replica, labelled replica="0".. (the unlabelled families are the sums)
+_REPLICA_GAUGES = {
+    "up": "1 while the replica's engine process serves, 0 once it is down.",
+    "num_requests_running": "Requests in the replica's running batch.",
+    "num_requests_waiting": "Requests waiting in the replica's queue.",
+    "kv_cache_usage_perc": "The replica's KV cache blocks in use, 0..1.",
+    "prefix_cache_queries": "Prompt tokens the replica looked up in its cache (since it started).",
+    "prefix_cache_hits": "Prompt tokens the replica found in its cache (since it started).",
 }
 _LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
@@ -99,6 +109,9 @@ class ServingMetrics:
             Histogram, "request_prefill_time_seconds", "First scheduled to first token.", buckets=_REQUEST_BUCKETS)
         self.request_decode_time = metric(
             Histogram, "request_decode_time_seconds", "First token to last token.", buckets=_REQUEST_BUCKETS)
+        self.replica_gauges = {
+            key: metric(Gauge, f"replica_{key}", doc, ["replica"]) for key, doc in _REPLICA_GAUGES.items()}
+        self.replica_source: Callable[[], list] | None = None  # ReplicaSet.statuses with --data-parallel-size
         self.window = window
         window_seconds = window.window_seconds if window is not None else 60.0
         self.ttft_window = LatencyWindow(window_seconds)
@@ -132,7 +145,27 @@ class ServingMetrics:
 
     def render(self, now: float | None = None) -> bytes:
         self._window_values = self.window_summary(now)  # one summary per scrape, read by every window gauge
+        self._replica_rows()
         return generate_latest(self.registry)
+
+    def _replica_rows(self) -> list[dict]:
+        """Each replica's figures (set on the replica gauges too); [] without replicas."""
+        if self.replica_source is None:
+            return []
+        rows = []
+        for status in self.replica_source():
+            stats, kv = status.stats, status.stats.kv_cache
+            row = {"replica": status.index, "up": status.up, "pid": status.pid, "cpu_cores": status.cpu_cores,
+                   "requests_in_flight": status.requests_in_flight,
+                   "num_requests_running": stats.num_running if status.up else 0,
+                   "num_requests_waiting": stats.num_waiting if status.up else 0,
+                   "kv_cache_usage_perc": kv.usage if status.up else 0.0,
+                   "kv_cache": asdict(kv),
+                   "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits}
+            for key, gauge in self.replica_gauges.items():
+                gauge.labels(replica=str(status.index), **self._labels).set(float(row[key]))
+            rows.append(row)
+        return rows
 
     def window_summary(self, now: float | None = None) -> dict[str, float]:
         """The window's figures at `now` (default: the present), latency quantiles included."""
@@ -159,6 +192,9 @@ class ServingMetrics:
         window = {k: (None if isinstance(v, float) and math.isnan(v) else v)
                   for k, v in self.window_summary(now).items()}
         peaks = self.window.cost_model.peaks if self.window is not None else None  # measured after start-up
+        replicas = self._replica_rows()
+        if replicas:
+            engine["replicas"] = replicas
         return {"time": now, "model": self._labels["model_name"], "engine": engine, "totals": dict(self.totals),
                 "window": window, "recent_requests": self.recent.newest_first(),
                 "peaks": {"tflops": peaks.flops / 1e12 if peaks and peaks.flops else None,

@@ -1,0 +1,189 @@
+"""ReplicaSet: N engine processes behind one server (data parallelism), as one AsyncLLMEngine core.
+
+Each request goes to the replica PrefixRouter picks (longest cached prefix, else least loaded)
+and stays there; aborts follow it. One thread (run) follows every replica's results with one
+zmq poller and publishes each step's outputs with the figures of all replicas summed. A replica
+that dies is marked down: its in-flight requests fail with EngineDeadError, new requests go to
+the others, and only when none is left does the server end (fatal, as with one engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from tokenmill.engine.engine_client import POLL_MS, RUNNING, EngineProcessClient, RemoteEngine
+from tokenmill.engine.engine_info import EngineStats, combine_stats
+from tokenmill.engine.engine_loop import Command, StepResult
+from tokenmill.engine.replica_router import PrefixRouter
+from tokenmill.errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaStatus:
+    """One replica as /v1/stats and /metrics show it."""
+
+    index: int
+    up: bool
+    pid: int
+    cpu_cores: list[int] | None
+    requests_in_flight: int
+    stats: EngineStats
+
+
+@dataclass
+class _Replica:
+    index: int
+    client: EngineProcessClient
+    up: bool = True
+    in_flight: dict[str, int] = field(default_factory=dict)  # request id -> tokens charged to its load
+
+
+class CombinedEngine:
+    """What the server reads of the replicas together: replica 0's tokenizer, limits and facts
+    (every replica loads the same model with the same settings), everyone's figures summed."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self._replicas = replicas
+        first: RemoteEngine = replicas.replicas[0].client.engine
+        self.info = first.info
+        self.tokenizer = first.tokenizer
+        self.grammars = first.grammars
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.limits.max_model_len
+
+    @property
+    def model_config(self):
+        return self.info.model_config
+
+    def validate_request(self, prompt_token_ids, params) -> int:
+        return self.info.limits.validate(prompt_token_ids, params)
+
+    def stats(self) -> EngineStats:
+        replicas = self._replicas.replicas
+        return combine_stats([r.client.engine.stats() for r in replicas], [r.up for r in replicas])
+
+    def facts(self):
+        return self.info.facts
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.up and r.client.engine.has_unfinished_requests() for r in self._replicas.replicas)
+
+
+class ReplicaSet:
+    """An AsyncLLMEngine core over ready EngineProcessClients (see launcher.py)."""
+
+    def __init__(self, clients: list[EngineProcessClient], router: PrefixRouter) -> None:
+        self.replicas = [_Replica(i, client) for i, client in enumerate(clients)]
+        self.router = router
+        self._lock = threading.Lock()  # submit() runs on the event loop, run() on its own thread
+        self._owner: dict[str, _Replica] = {}
+        self._stopping = False
+        self.publish = None
+        for replica in self.replicas:
+            replica.client.publish = lambda result, replica=replica: self._on_step(replica, result)
+        self.engine = CombinedEngine(self)
+
+    # ---- the core's interface --------------------------------------------------------------------
+    def submit(self, command: Command) -> None:
+        if isinstance(command, str):
+            with self._lock:
+                replica = self._owner.get(command)
+            if replica is not None and replica.up:
+                replica.client.submit(command)
+            return
+        tokens = len(command.prompt_token_ids) + (command.params.max_tokens or 0)
+        with self._lock:
+            chosen = self.router.choose(command.prompt_token_ids)
+            if chosen is None:
+                raise EngineDeadError("every engine replica is down")
+            index, hashes = chosen
+            replica = self.replicas[index]
+            self.router.sent(index, hashes, tokens * command.params.n)
+            replica.in_flight[command.request_id] = tokens * command.params.n
+            self._owner[command.request_id] = replica
+        replica.client.submit(command)
+
+    def request_stop(self) -> None:
+        self._stopping = True
+        for replica in self.replicas:
+            replica.client.request_stop()
+
+    def run(self) -> EngineDeadError | None:
+        poller = zmq.Poller()
+        sockets = {}
+        for replica in self.replicas:
+            poller.register(replica.client.results_socket, zmq.POLLIN)
+            sockets[replica.client.results_socket] = replica
+        while True:
+            ready = dict(poller.poll(POLL_MS))
+            for replica in self.replicas:
+                if not replica.up:
+                    continue
+                message = replica.client.receive() if replica.client.results_socket in ready else None
+                outcome = replica.client.follow(message)
+                if outcome is RUNNING:
+                    continue
+                replica.up = False
+                poller.unregister(replica.client.results_socket)
+                if outcome is not None:
+                    self._replica_died(replica, outcome)
+            if not any(r.up for r in self.replicas):  # stopped as asked, or the last one died
+                return None if self._stopping else EngineDeadError("every engine replica is down")
+
+    def statuses(self) -> list[ReplicaStatus]:
+        with self._lock:
+            return [ReplicaStatus(r.index, r.up, r.client.process.pid, r.client.args.cpu_cores, len(r.in_flight),
+                                  r.client.engine.stats()) for r in self.replicas]
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.client.shutdown()
+
+    # ---- on the run thread -------------------------------------------------------------------------
+    def _on_step(self, replica: _Replica, result: StepResult) -> None:
+        with self._lock:
+            for output in result.outputs:
+                if output.finished:
+                    self._release(replica, output.request_id)
+            for request_id in result.errors:
+                self._release(replica, request_id)
+        # the figures of all replicas, with this replica's step as the step the metrics window counts
+        stats = dataclasses.replace(self.engine.stats(), last_step=result.stats.last_step)
+        self.publish(StepResult(result.end_time, result.outputs, stats, result.errors))
+
+    def _release(self, replica: _Replica, request_id: str) -> None:
+        tokens = replica.in_flight.pop(request_id, None)
+        self._owner.pop(request_id, None)
+        if tokens is not None:
+            self.router.done(replica.index, tokens)
+
+    def _replica_died(self, replica: _Replica, error: EngineDeadError) -> None:
+        logger.error("replica %d is down: %s", replica.index, error.message)
+        with self._lock:
+            self.router.set_up(replica.index, False)
+            failed = list(replica.in_flight)
+            for request_id in failed:
+                self._release(replica, request_id)
+        dead = EngineDeadError(f"engine replica {replica.index} is down ({error.message}); request failed")
+        self.publish(StepResult(time.time(), [], self.engine.stats(), {rid: dead for rid in failed}))
+
+
+def split_cpus(num_replicas: int, cpus: list[int] | None = None) -> list[list[int]]:
+    """This process's CPUs in num_replicas contiguous, equal shares (the remainder left unused)."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    if num_replicas > len(cpus):
+        raise ValueError(f"{num_replicas} replicas need at least {num_replicas} CPUs; this process may use {len(cpus)}")
+    share = len(cpus) // num_replicas
+    return [cpus[i * share:(i + 1) * share] for i in range(num_replicas)]
+
