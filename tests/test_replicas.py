@@ -177,8 +177,9 @@ def test_two_replicas_give_one_engines_tokens_each_on_its_own_cpu(single, pair):
 def _hit_rate(server, order: list[tuple[str, int]]) -> float:
     hits = server.metric("tokenmill:prefix_cache_hits_total")
     queries = server.metric("tokenmill:prefix_cache_queries_total")
-    for topic, question in order:
-        _complete(server, f"{_system_prompt(topic)} Question {question} about {topic}?", max_tokens=2)
+    with ThreadPoolExecutor(4) as pool:  # four at a time: a router that only balanced load would split prefixes
+        list(pool.map(lambda item: _complete(server, f"{_system_prompt(item[0])} Question {item[1]} about {item[0]}?",
+                                             max_tokens=2), order))
     return ((server.metric("tokenmill:prefix_cache_hits_total") - hits)
             / (server.metric("tokenmill:prefix_cache_queries_total") - queries))
 
@@ -193,7 +194,9 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica(single, pair, tiny
         random.Random(seed).shuffle(order)
         orders.append([(f"{topic} {seed}", q) for topic, q in order])
     one_replica = _hit_rate(single, orders[0])
+    before = [r["prefix_cache_queries"] for r in _replicas(pair)]
     cache_aware = _hit_rate(pair, orders[1])
+    assert all(r["prefix_cache_queries"] > b for r, b in zip(_replicas(pair), before))  # both replicas served
     round_robin_server = _serve(tiny_llama_dir, tmp_path, "--data-parallel-size", "2", "--routing", "round_robin")
     try:
         round_robin = _hit_rate(round_robin_server, orders[2])
