@@ -234,5 +234,20 @@ def test_a_dead_replica_fails_only_its_requests_and_the_rest_goes_on(tiny_llama_
         assert server.metric("tokenmill:replica_up", replica="1") == 0.0
         assert wait_until(lambda: _replicas(server)[0]["kv_cache"]["num_used_blocks"] == 0, 10)
         assert "replica 1 is down" in server.log()
+        # up again without restarting the server: a new engine process, serving its share
+        conflict = server.post("/v1/replicas/0/restart", None)
+        assert conflict.status == 400 and "replica 0 is up" in conflict.json()["error"]["message"]
+        assert server.post("/v1/replicas/7/restart", None).status == 404
+        restarted = server.post("/v1/replicas/1/restart", None)
+        assert restarted.status == 200, restarted.body
+        new_pid = restarted.json()["pid"]
+        assert new_pid != victim["pid"] and new_pid in _children(server.process.pid)
+        assert wait_until(lambda: [r["up"] for r in server.request("GET", "/v1/replicas").json()["data"]]
+                          == [True, True], 10)
+        before = server.request("GET", "/v1/replicas").json()["data"][1]["prefix_cache_queries"]
+        with ThreadPoolExecutor(4) as pool:
+            assert all(pool.map(lambda i: _complete(server, f"after the restart {i}"), range(8)))
+        assert server.request("GET", "/v1/replicas").json()["data"][1]["prefix_cache_queries"] > before
     finally:
         assert server.stop() == 0
+    assert "Traceback" not in server.log()  # e.g. a counter that went back when the new replica started at 0

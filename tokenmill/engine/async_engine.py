@@ -282,4 +282,7 @@ class AsyncLLMEngine:
 
     def _publish(self, result: StepResult) -> None:
         """Called by the core, on its thread, after every iteration that produced something."""
-        self._loop.call_soon_threadsafe(self._deliver, result)
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, result)
+        except RuntimeError:  # the event loop has closed (the server is exiting): nobody is waiting
+            pass

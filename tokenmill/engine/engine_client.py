@@ -218,6 +218,9 @@ class ForkedProcess:
         pid = os.fork()
         if pid == 0:  # the child: never returns into the parent's code
             code = 1
+            # Nothing the parent had open is the child's: a client connection or the listening
+            # socket held here would outlive the server's close of it (a restart forks a serving process).
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
             try:
                 target(arg)
                 code = 0

@@ -14,6 +14,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import zmq
@@ -22,7 +24,7 @@ from tokenmill.engine.engine_client import POLL_MS, RUNNING, EngineProcessClient
 from tokenmill.engine.engine_info import EngineStats, combine_stats
 from tokenmill.engine.engine_loop import Command, StepResult
 from tokenmill.engine.replica_router import PrefixRouter
-from tokenmill.errors import EngineDeadError
+from tokenmill.errors import EngineDeadError, InvalidParameterError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +72,9 @@ class CombinedEngine:
         return self.info.limits.validate(prompt_token_ids, params)
 
     def stats(self) -> EngineStats:
-        replicas = self._replicas.replicas
-        return combine_stats([r.client.engine.stats() for r in replicas], [r.up for r in replicas])
+        replicas, retired = self._replicas.replicas, self._replicas.retired
+        return combine_stats([r.client.engine.stats() for r in replicas] + retired,
+                             [r.up for r in replicas] + [False] * len(retired))
 
     def facts(self):
         return self.info.facts
@@ -83,9 +86,19 @@ class CombinedEngine:
 class ReplicaSet:
     """An AsyncLLMEngine core over ready EngineProcessClients (see launcher.py)."""
 
-    def __init__(self, clients: list[EngineProcessClient], router: PrefixRouter) -> None:
+    def __init__(self, clients: list[EngineProcessClient], router: PrefixRouter,
+                 fork_replica: Callable[[list[int] | None], EngineProcessClient] | None = None,
+                 wait_replica: Callable[[EngineProcessClient], None] | None = None) -> None:
+        """fork_replica(cpu_cores) starts a new engine process, wait_replica(client) waits until it
+        has loaded the model: restart() needs both. The fork is done on the run thread, which lives
+        as long as the server (PR_SET_PDEATHSIG follows the thread that forked, not the process)."""
         self.replicas = [_Replica(i, client) for i, client in enumerate(clients)]
         self.router = router
+        self.fork_replica, self.wait_replica = fork_replica, wait_replica
+        self._forks: list[tuple[_Replica, Future]] = []  # restarts waiting for the run thread to fork
+        self._restarted: list[tuple[_Replica, EngineProcessClient]] = []  # ready, for the run thread to take in
+        self._restarting: set[int] = set()
+        self._retired: list[EngineStats] = []  # the last figures of replaced processes: their counts stay
         self._lock = threading.Lock()  # submit() runs on the event loop, run() on its own thread
         self._owner: dict[str, _Replica] = {}
         self._stopping = False
@@ -126,6 +139,7 @@ class ReplicaSet:
             poller.register(replica.client.results_socket, zmq.POLLIN)
             sockets[replica.client.results_socket] = replica
         while True:
+            self._take_in_restarted(poller)
             ready = dict(poller.poll(POLL_MS))
             for replica in self.replicas:
                 if not replica.up:
@@ -141,14 +155,75 @@ class ReplicaSet:
             if not any(r.up for r in self.replicas):  # stopped as asked, or the last one died
                 return None if self._stopping else EngineDeadError("every engine replica is down")
 
+    def restart(self, index: int) -> ReplicaStatus:
+        """Start a new engine process for a replica that is down. Blocks until it has loaded the
+        model (call it off the event loop); requests go to it once the run thread has taken it in."""
+        if self.fork_replica is None or self.wait_replica is None:
+            raise InvalidParameterError("this server cannot restart replicas")
+        if not 0 <= index < len(self.replicas):
+            raise ModelNotFoundError(f"there is no replica {index} (replicas 0..{len(self.replicas) - 1})")
+        replica = self.replicas[index]
+        forked: Future = Future()
+        with self._lock:
+            if replica.up or index in self._restarting:
+                raise InvalidParameterError(f"replica {index} is {'up' if replica.up else 'restarting'}",
+                                            param="index")
+            self._restarting.add(index)
+            self._forks.append((replica, forked))
+        try:
+            client = forked.result()
+            try:
+                self.wait_replica(client)
+            except BaseException:
+                client.shutdown()
+                raise
+        except BaseException:
+            with self._lock:
+                self._restarting.discard(index)
+            raise
+        client.publish = lambda result: self._on_step(replica, result)
+        with self._lock:
+            self._restarted.append((replica, client))
+        logger.info("replica %d restarted (pid %d)", index, client.process.pid)
+        return ReplicaStatus(index, True, client.process.pid, client.args.cpu_cores, 0, client.engine.stats())
+
+    def _take_in_restarted(self, poller: zmq.Poller) -> None:
+        """On the run thread: fork what restart() asked for, and serve what has become ready."""
+        with self._lock:
+            forks, self._forks = self._forks, []
+            restarted, self._restarted = self._restarted, []
+        for replica, forked in forks:
+            try:
+                forked.set_result(self.fork_replica(replica.client.args.cpu_cores))
+            except Exception as exc:
+                forked.set_exception(exc)
+        with self._lock:
+            for replica, client in restarted:
+                old, replica.client = replica.client, client
+                self._retired.append(old.engine.stats())
+                replica.up = True
+                replica.in_flight.clear()
+                self.router.set_up(replica.index, True)
+                self._restarting.discard(replica.index)
+                poller.register(client.results_socket, zmq.POLLIN)
+                old.shutdown()  # its process is gone; this closes its sockets
+
+    @property
+    def retired(self) -> list[EngineStats]:
+        return list(self._retired)
+
     def statuses(self) -> list[ReplicaStatus]:
         with self._lock:
             return [ReplicaStatus(r.index, r.up, r.client.process.pid, r.client.args.cpu_cores, len(r.in_flight),
                                   r.client.engine.stats()) for r in self.replicas]
 
     def shutdown(self) -> None:
+        with self._lock:
+            restarted, self._restarted = self._restarted, []
         for replica in self.replicas:
             replica.client.shutdown()
+        for _, client in restarted:
+            client.shutdown()
 
     # ---- on the run thread -------------------------------------------------------------------------
     def _on_step(self, replica: _Replica, result: StepResult) -> None:

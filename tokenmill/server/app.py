@@ -16,8 +16,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from tokenmill.errors import InvalidParameterError, TokenmillError
+from tokenmill.errors import InvalidParameterError, ModelNotFoundError, TokenmillError
 from tokenmill.server.errors import error_response, invalid_body
+from tokenmill.server.metrics import replica_row
 from tokenmill.server.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware
 from tokenmill.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, refuse_unsupported_fields,
@@ -218,6 +219,25 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     @app.get("/v1/stats")
     async def stats() -> Response:
         return JSONResponse(feed.snapshot())
+
+    @app.get("/v1/replicas")
+    async def replicas() -> Response:
+        """The data-parallel replicas (--data-parallel-size), each up or down, with its figures."""
+        core = ctx.engine.core
+        if not hasattr(core, "statuses"):
+            return error_response(ModelNotFoundError("this server runs one engine, not replicas"))
+        return JSONResponse({"data": [replica_row(status) for status in core.statuses()]})
+
+    @app.post("/v1/replicas/{index}/restart")
+    async def restart_replica(index: int) -> Response:
+        """Start a replica that is down again (its new engine process loads the model first)."""
+        core = ctx.engine.core
+        if not hasattr(core, "restart"):
+            return error_response(ModelNotFoundError("this server runs one engine, not replicas"))
+        try:
+            return JSONResponse(replica_row(await asyncio.to_thread(core.restart, index)))
+        except TokenmillError as exc:
+            return error_response(exc)
 
     @app.get("/v1/stats/stream")
     async def stats_stream() -> Response:

@@ -174,7 +174,14 @@ def _serve_replicas(options: ServeOptions, config: EngineConfig, chat_template: 
         limits = first.info.limits
         router = PrefixRouter([c.engine.info.limits.num_kv_blocks for c in clients], limits.block_size,
                               config.cache.prefix_hash_key, options.routing)
-        replicas = ReplicaSet(clients, router)
+        def fork_replica(cores: list[int] | None) -> EngineProcessClient:
+            return EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs,
+                                             measure_peaks=False, cpu_cores=cores)
+
+        def wait_replica(client: EngineProcessClient) -> None:
+            client.wait_ready(lambda info: first.tokenizer, lambda tokenizer, info: first.grammars)
+
+        replicas = ReplicaSet(clients, router, fork_replica, wait_replica)
         return _serve(options, AsyncLLMEngine(core=replicas, **_engine_options(options)), first.info.peaks,
                       first.info.dtype, chat_template, measure_here=False, replicas=replicas)
     finally:

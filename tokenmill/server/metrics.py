@@ -154,14 +154,7 @@ class ServingMetrics:
             return []
         rows = []
         for status in self.replica_source():
-            stats, kv = status.stats, status.stats.kv_cache
-            row = {"replica": status.index, "up": status.up, "pid": status.pid, "cpu_cores": status.cpu_cores,
-                   "requests_in_flight": status.requests_in_flight,
-                   "num_requests_running": stats.num_running if status.up else 0,
-                   "num_requests_waiting": stats.num_waiting if status.up else 0,
-                   "kv_cache_usage_perc": kv.usage if status.up else 0.0,
-                   "kv_cache": asdict(kv),
-                   "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits}
+            row = replica_row(status)
             for key, gauge in self.replica_gauges.items():
                 gauge.labels(replica=str(status.index), **self._labels).set(float(row[key]))
             rows.append(row)
@@ -264,3 +257,16 @@ class ServingMetrics:
         tokens_per_sequence = num_output_tokens / max(1, len(output.outputs))
         if tokens_per_sequence > 1:
             self.time_per_output_token.observe(decode_time / (tokens_per_sequence - 1))
+
+
+def replica_row(status) -> dict:
+    """One data-parallel replica (a ReplicaStatus) as /v1/stats and /v1/replicas show it; a
+    replica that is down shows nothing in use, and its last counts."""
+    stats, kv = status.stats, status.stats.kv_cache
+    return {"replica": status.index, "up": status.up, "pid": status.pid, "cpu_cores": status.cpu_cores,
+            "requests_in_flight": status.requests_in_flight,
+            "num_requests_running": stats.num_running if status.up else 0,
+            "num_requests_waiting": stats.num_waiting if status.up else 0,
+            "kv_cache_usage_perc": kv.usage if status.up else 0.0,
+            "kv_cache": asdict(kv),
+            "prefix_cache_queries": kv.prefix_cache_queries, "prefix_cache_hits": kv.prefix_cache_hits}
