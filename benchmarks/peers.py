@@ -223,6 +223,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, a smoke run")
     parser.add_argument("--in-process-too", action="store_true",
                         help="also run tokenmill-1p: tokenmill serve --no-engine-process (one process)")
+    parser.add_argument("--in-process-first", action="store_true", help="with --in-process-too: run it first")
     args = parser.parse_args()
 
     from tokenmill.models.model_files import default_model_path, load_tokenizer
@@ -235,6 +236,8 @@ def main() -> None:
     prompts = {"warmup": salted(long_prompts[:4], 11), "w1": [p[:128] for p in salted(long_prompts[-3:], 12)],
                "w2": salted(long_prompts[:num], 13), "w3": salted(long_prompts[:num], 14)}
     engines = ["tokenmill"] + (["tokenmill-1p"] if args.in_process_too else [])
+    if args.in_process_first:
+        engines.reverse()
     if args.llama_server.is_file():
         engines.append("llama.cpp")
     else:
