@@ -1,7 +1,7 @@
 """The engine process: an LLMEngine and its EngineLoop, fed and read over ZeroMQ (wire.py).
 
 Started by EngineProcessClient (engine_client.py), forked before the server has loaded anything
-or started any thread. Its main thread steps the engine (torch runs faster there); one thread
+or started any thread (a replica's restart forks later, from the server's run thread). Its main thread steps the engine (torch runs faster there); one thread
 reads commands. It ignores SIGINT/SIGTERM: the server drains first, then sends STOP; if the server
 process dies, so does this one (PR_SET_PDEATHSIG, and a check of the parent while idle).
 """
