@@ -96,6 +96,9 @@ def _add_serve_parser(sub) -> None:
                        help="N engine processes (replicas), each on an equal share of the CPUs")
     serve.add_argument("--routing", choices=["cache_aware", "round_robin"], default="cache_aware",
                        help="how requests are spread over replicas: longest cached prefix, else least loaded")
+    serve.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                       help="where replicas run: engine processes on this machine (mp), or Ray actors spread "
+                            "over the nodes of a running Ray cluster (RAY_ADDRESS, else 'auto')")
     serve.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template to use instead of the model's")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

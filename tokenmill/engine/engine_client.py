@@ -193,6 +193,8 @@ class EngineProcessClient:
 
     def shutdown(self) -> None:
         """Stop the engine process (killed if it does not exit in time) and remove the sockets."""
+        if self._results.closed:
+            return
         if self.process.is_alive():
             self.request_stop()
             self.process.join(STOP_TIMEOUT)

@@ -39,6 +39,7 @@ class ReplicaStatus:
     cpu_cores: list[int] | None
     requests_in_flight: int
     stats: EngineStats
+    node: str | None = None  # the Ray node it runs on (--distributed-executor-backend ray)
 
 
 @dataclass
@@ -87,9 +88,9 @@ class ReplicaSet:
     """An AsyncLLMEngine core over ready EngineProcessClients (see launcher.py)."""
 
     def __init__(self, clients: list[EngineProcessClient], router: PrefixRouter,
-                 fork_replica: Callable[[list[int] | None], EngineProcessClient] | None = None,
+                 fork_replica: Callable[[int], EngineProcessClient] | None = None,
                  wait_replica: Callable[[EngineProcessClient], None] | None = None) -> None:
-        """fork_replica(cpu_cores) starts a new engine process, wait_replica(client) waits until it
+        """fork_replica(index) starts a new engine process for replica `index`, wait_replica(client) waits until it
         has loaded the model: restart() needs both. The fork is done on the run thread, which lives
         as long as the server (PR_SET_PDEATHSIG follows the thread that forked, not the process)."""
         self.replicas = [_Replica(i, client) for i, client in enumerate(clients)]
@@ -185,7 +186,7 @@ class ReplicaSet:
         with self._lock:
             self._restarted.append((replica, client))
         logger.info("replica %d restarted (pid %d)", index, client.process.pid)
-        return ReplicaStatus(index, True, client.process.pid, client.args.cpu_cores, 0, client.engine.stats())
+        return self._status(replica, client)
 
     def _take_in_restarted(self, poller: zmq.Poller) -> None:
         """On the run thread: fork what restart() asked for, and serve what has become ready."""
@@ -194,7 +195,7 @@ class ReplicaSet:
             restarted, self._restarted = self._restarted, []
         for replica, forked in forks:
             try:
-                forked.set_result(self.fork_replica(replica.client.args.cpu_cores))
+                forked.set_result(self.fork_replica(replica.index))
             except Exception as exc:
                 forked.set_exception(exc)
         with self._lock:
@@ -214,8 +215,13 @@ class ReplicaSet:
 
     def statuses(self) -> list[ReplicaStatus]:
         with self._lock:
-            return [ReplicaStatus(r.index, r.up, r.client.process.pid, r.client.args.cpu_cores, len(r.in_flight),
-                                  r.client.engine.stats()) for r in self.replicas]
+            return [self._status(r, r.client) for r in self.replicas]
+
+    def _status(self, replica: _Replica, client: EngineProcessClient) -> ReplicaStatus:
+        up = replica.up or client is not replica.client  # a restarted client about to be taken in
+        return ReplicaStatus(replica.index, up, client.process.pid, client.args.cpu_cores,
+                             len(replica.in_flight) if client is replica.client else 0, client.engine.stats(),
+                             getattr(client, "node_id", None))
 
     def shutdown(self) -> None:
         with self._lock:

@@ -70,6 +70,7 @@ class ServeOptions:
     engine_process: bool = True  # the engine in a process of its own (not under torchrun)
     data_parallel_size: int = 1  # engine processes, each on its share of the CPUs
     routing: str = "cache_aware"  # how requests are spread over them: cache_aware | round_robin
+    distributed_executor_backend: str = "mp"  # mp: engine processes here; ray: Ray actors on a cluster
 
 
 def read_chat_template(path: str) -> str:
@@ -131,7 +132,7 @@ def serve(options: ServeOptions) -> int:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     chat_template = None if options.chat_template is None else read_chat_template(options.chat_template)
     config = _engine_config(options)
-    if options.data_parallel_size > 1:
+    if options.data_parallel_size > 1 or options.distributed_executor_backend == "ray":
         return _serve_replicas(options, config, chat_template)
     if options.engine_process and options.rendezvous is None:
         client = EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs)
@@ -153,40 +154,56 @@ def serve(options: ServeOptions) -> int:
 
 
 def _serve_replicas(options: ServeOptions, config: EngineConfig, chat_template: str | None) -> int:
-    """--data-parallel-size N: N engine processes, each on its own share of the CPUs (on CUDA they
-    would share the device: one GPU each is not done yet), one prefix-hash key for all and the router."""
+    """--data-parallel-size N: N engine processes, each on its own share of this machine's CPUs
+    (on CUDA they would share the device: one GPU each is not done yet), or, with
+    --distributed-executor-backend ray, N Ray actors spread over a cluster's nodes; one
+    prefix-hash key for all of them and the router."""
     if options.rendezvous is not None or options.tensor_parallel_size > 1 or not options.engine_process:
-        raise TokenmillError("--data-parallel-size needs engine processes: not with --tensor-parallel-size, "
+        raise TokenmillError("replicas need engine processes: not with --tensor-parallel-size, "
                              "torchrun or --no-engine-process")
-    try:
-        shares = split_cpus(options.data_parallel_size)
-    except ValueError as exc:
-        raise TokenmillError(f"--data-parallel-size: {exc}") from None
     config.cache.prefix_hash_key = secrets.token_bytes(16)  # this deployment's: replicas and router agree
-    clients = []
-    try:
-        for cores in shares:  # all forked before this process starts a thread
-            clients.append(EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs,
-                                                     measure_peaks=False, cpu_cores=cores))
-        first = clients[0].wait_ready(_load_tokenizer, _grammar_compiler)
-        for client in clients[1:]:
-            client.wait_ready(lambda info: first.tokenizer, lambda tokenizer, info: first.grammars)
-        limits = first.info.limits
-        router = PrefixRouter([c.engine.info.limits.num_kv_blocks for c in clients], limits.block_size,
-                              config.cache.prefix_hash_key, options.routing)
-        def fork_replica(cores: list[int] | None) -> EngineProcessClient:
+    placement = None
+    if options.distributed_executor_backend == "ray":
+        from tokenmill.engine.ray_replicas import RayPlacement
+
+        placement = RayPlacement(options.data_parallel_size)
+
+        def fork_replica(index: int) -> EngineProcessClient:
+            return placement.start(index, config)
+    else:
+        try:
+            shares = split_cpus(options.data_parallel_size)
+        except ValueError as exc:
+            raise TokenmillError(f"--data-parallel-size: {exc}") from None
+
+        def fork_replica(index: int) -> EngineProcessClient:
             return EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs,
-                                             measure_peaks=False, cpu_cores=cores)
+                                             measure_peaks=False, cpu_cores=shares[index])
+
+    clients: list[EngineProcessClient] = []
+    replicas: ReplicaSet | None = None
+    try:
+        for index in range(options.data_parallel_size):  # all started before this process starts a thread
+            clients.append(fork_replica(index))
+        first = clients[0].wait_ready(_load_tokenizer, _grammar_compiler)
 
         def wait_replica(client: EngineProcessClient) -> None:
             client.wait_ready(lambda info: first.tokenizer, lambda tokenizer, info: first.grammars)
 
+        for client in clients[1:]:
+            wait_replica(client)
+        router = PrefixRouter([c.engine.info.limits.num_kv_blocks for c in clients], first.info.limits.block_size,
+                              config.cache.prefix_hash_key, options.routing)
         replicas = ReplicaSet(clients, router, fork_replica, wait_replica)
         return _serve(options, AsyncLLMEngine(core=replicas, **_engine_options(options)), first.info.peaks,
                       first.info.dtype, chat_template, measure_here=False, replicas=replicas)
     finally:
+        if replicas is not None:
+            replicas.shutdown()
         for client in clients:
             client.shutdown()
+        if placement is not None:
+            placement.shutdown()
 
 
 def _engine_config(options: ServeOptions) -> EngineConfig:

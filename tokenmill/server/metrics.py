@@ -264,6 +264,7 @@ def replica_row(status) -> dict:
     replica that is down shows nothing in use, and its last counts."""
     stats, kv = status.stats, status.stats.kv_cache
     return {"replica": status.index, "up": status.up, "pid": status.pid, "cpu_cores": status.cpu_cores,
+            "node": status.node,
             "requests_in_flight": status.requests_in_flight,
             "num_requests_running": stats.num_running if status.up else 0,
             "num_requests_waiting": stats.num_waiting if status.up else 0,

@@ -1,0 +1,224 @@
+"""Replicas on a Ray cluster (`--distributed-executor-backend ray`): each engine is a Ray actor in
+one bundle of a placement group (SPREAD over the nodes), the way vLLM places its engines.
+
+Everything our side sends is the engine wire's msgpack bytes (wire.py): the engine's config,
+commands, and its results; Ray only carries them (actor calls; Ray's own transport). On the
+server a RayEngineClient is an EngineProcessClient whose commands are actor calls and whose
+results a relay thread long-polls from the actor into an in-process socket, so ReplicaSet
+follows Ray replicas exactly as it follows local processes. Needs `pip install tokenmill[ray]`
+and a running cluster (`ray start --head`; RAY_ADDRESS or "auto").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+
+import msgspec
+import zmq
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine import wire
+from tokenmill.engine.engine_client import EngineProcessClient
+from tokenmill.engine.engine_process import EngineProcessArgs
+from tokenmill.errors import EngineDeadError, TokenmillError
+
+logger = logging.getLogger(__name__)
+
+RESULTS_POLL_SECONDS = 0.25  # how long one results() call waits for the engine's next message
+READY_TIMEOUT = 600.0
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise TokenmillError("--distributed-executor-backend ray needs Ray: pip install 'tokenmill[ray]'") from None
+    return ray
+
+
+class EngineActor:
+    """The engine on a Ray worker (wrapped by ray.remote in RayPlacement): an LLMEngine, its
+    EngineLoop on a thread, and an outbox of wire messages for the server to collect."""
+
+    def __init__(self, config_bytes: bytes, num_threads: int) -> None:
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)  # set_cpu_threads' budget: this actor's CPUs
+        self.codec = wire.Codec()
+        self.outbox: queue.Queue[list[bytes]] = queue.Queue()
+        self.loop = None
+        try:
+            from tokenmill.engine.engine_core import LLMEngine
+            from tokenmill.engine.engine_loop import EngineLoop
+            from tokenmill.engine.engine_process import engine_info
+            from tokenmill.engine.device_peaks import known_peaks
+
+            engine = LLMEngine(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
+        except Exception as exc:
+            self.outbox.put(self.codec.encode(wire.FAILED, wire.to_wire_error(exc)))
+            return
+        self.engine = engine
+        self.loop = EngineLoop(engine, lambda result: self.outbox.put(self.codec.encode(wire.STEP, result)))
+        self.outbox.put(self.codec.encode(wire.READY, engine_info(engine, known_peaks(engine.device))))
+        threading.Thread(target=self._run, name="tokenmill-engine", daemon=True).start()
+
+    def _run(self) -> None:
+        fatal = self.loop.run()
+        self.engine.shutdown()
+        self.outbox.put(self.codec.encode(wire.DEAD, wire.to_wire_error(fatal)) if fatal is not None
+                        else [b"stopped", b""])
+
+    def where(self) -> tuple[str, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def submit(self, kind: bytes, payload: bytes) -> None:
+        if self.loop is None:
+            return
+        if kind == wire.STOP:
+            self.loop.request_stop()
+        else:
+            self.loop.submit(self.codec.decode(kind, payload))
+
+    def results(self, timeout: float) -> list[list[bytes]]:
+        """The messages waiting (at least one, or none after `timeout` seconds)."""
+        try:
+            batch = [self.outbox.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                batch.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return batch
+
+
+class ActorProcess:
+    """A Ray actor, as EngineProcessClient sees a process: alive until the relay saw it end."""
+
+    def __init__(self, actor, pid: int) -> None:
+        self.actor, self.pid = actor, pid
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+class RayEngineClient(EngineProcessClient):
+    """An engine actor behind the EngineProcessClient interface (see the module docstring)."""
+
+    def __init__(self, actor, node_id: str, pid: int, num_cpus: int) -> None:
+        self.actor = actor
+        self.node_id = node_id
+        address = f"inproc://tokenmill-ray-{uuid.uuid4().hex}"
+        self._context = zmq.Context.instance()
+        self._results = self._context.socket(zmq.PULL)
+        self._results.bind(address)
+        self._commands = None
+        self.args = EngineProcessArgs(EngineConfig(), "ray", address, measure_peaks=False,
+                                      cpu_cores=None)
+        self.num_cpus = num_cpus
+        self.process = ActorProcess(actor, pid)
+        self._directory = None
+        self._codec = wire.Codec()
+        self._send_lock = threading.Lock()
+        self._stop_sent = False
+        self.engine = None
+        self.publish = None
+        self.fatal_error: EngineDeadError | None = None
+        self._relay = threading.Thread(target=self._relay_results, args=(address,), name="tokenmill-ray-relay",
+                                       daemon=True)
+        self._relay.start()
+
+    def _relay_results(self, address: str) -> None:
+        import ray
+
+        push = self._context.socket(zmq.PUSH)
+        push.connect(address)
+        try:
+            while True:
+                try:
+                    batch = ray.get(self.actor.results.remote(RESULTS_POLL_SECONDS))
+                except Exception as exc:  # RayActorError and friends: the actor (or its node) is gone
+                    logger.error("Ray engine actor on node %s is gone: %s", self.node_id[:12], type(exc).__name__)
+                    self.process.exitcode = -9
+                    return
+                for frames in batch:
+                    if frames[0] == b"stopped":
+                        self.process.exitcode = 0
+                        return
+                    push.send_multipart(frames)
+                    if frames[0] == wire.DEAD:
+                        self.process.exitcode = 1
+                        return
+        finally:
+            push.close(linger=1000)
+
+    def _send(self, frames: list[bytes]) -> None:
+        if self.process.is_alive():
+            self.actor.submit.remote(*frames)
+
+    def shutdown(self) -> None:
+        if self._results.closed:
+            return
+        if self.process.is_alive():
+            self.request_stop()
+            self.process.join(30)
+            if self.process.is_alive():
+                self.process.kill()
+        self._relay.join(5)
+        self._results.close(linger=0)
+
+
+class RayPlacement:
+    """One placement group for the replicas (a bundle each, spread over the nodes); start(i)
+    makes replica i's engine actor in bundle i."""
+
+    def __init__(self, num_replicas: int, cpus_per_replica: int | None = None) -> None:
+        ray = _import_ray()
+        from ray.util.placement_group import placement_group
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING,
+                     log_to_driver=True)
+        total = int(ray.cluster_resources().get("CPU", 0))
+        self.cpus = cpus_per_replica or max(1, total // num_replicas)
+        self.group = placement_group([{"CPU": self.cpus}] * num_replicas, strategy="SPREAD")
+        try:
+            ray.get(self.group.ready(), timeout=120)
+        except Exception:
+            raise TokenmillError(f"the Ray cluster cannot place {num_replicas} replicas of {self.cpus} CPUs "
+                                 f"(it has {total})") from None
+        self.actor_class = ray.remote(max_concurrency=4)(EngineActor)
+
+    def start(self, index: int, config: EngineConfig) -> RayEngineClient:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor = self.actor_class.options(
+            num_cpus=self.cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=index)).remote(msgspec.msgpack.encode(config), self.cpus)
+        node_id, pid = ray.get(actor.where.remote(), timeout=READY_TIMEOUT)
+        logger.info("replica %d: a Ray actor on node %s (pid %d, %d CPUs)", index, node_id[:12], pid, self.cpus)
+        return RayEngineClient(actor, node_id, pid, self.cpus)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+        ray.shutdown()
