@@ -60,3 +60,24 @@ def test_a_replica_on_the_second_node_serves(cluster, tiny_llama_dir, tmp_path, 
     finally:
         assert server.stop() == 0
     assert "a Ray actor on node" in server.log()
+
+
+def test_tensor_parallel_ranks_on_two_nodes(cluster, tiny_llama_dir, tmp_path, monkeypatch):
+    ray_cluster, second = cluster
+    local = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path)
+    try:
+        expected = [_complete(local, p) for p in PROMPTS]
+    finally:
+        assert local.stop() == 0
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--tensor-parallel-size", "2",
+                           "--distributed-executor-backend", "ray"], tmp_path, timeout=300)
+    try:
+        assert [_complete(server, p) for p in PROMPTS] == expected
+    finally:
+        assert server.stop() == 0
+    log = server.log()
+    # rank 0 (the engine) and rank 1 on different nodes: the bundles are spread
+    engine_node = log.split("replica 0: a Ray actor on node ")[1][:12]
+    worker_node = log.split("tensor-parallel rank 1: a Ray actor on node ")[1][:12]
+    assert {engine_node, worker_node} == {second.node_id[:12], ray_cluster.head_node.node_id[:12]}

@@ -11,6 +11,7 @@ and a running cluster (`ray start --head`; RAY_ADDRESS or "auto").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -26,6 +27,7 @@ from tokenmill.engine import wire
 from tokenmill.engine.engine_client import EngineProcessClient
 from tokenmill.engine.engine_process import EngineProcessArgs
 from tokenmill.errors import EngineDeadError, TokenmillError
+from tokenmill.executor.rendezvous import Rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,11 @@ class EngineActor:
     """The engine on a Ray worker (wrapped by ray.remote in RayPlacement): an LLMEngine, its
     EngineLoop on a thread, and an outbox of wire messages for the server to collect."""
 
-    def __init__(self, config_bytes: bytes, num_threads: int) -> None:
-        os.environ["OMP_NUM_THREADS"] = str(num_threads)  # set_cpu_threads' budget: this actor's CPUs
+    def __init__(self, config_bytes: bytes, num_threads: int, tensor_parallel_size: int = 1) -> None:
+        # set_cpu_threads splits its budget over the ranks as if they shared one machine; here each
+        # rank has its own bundle of num_threads CPUs
+        os.environ["OMP_NUM_THREADS"] = str(num_threads * tensor_parallel_size)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.codec = wire.Codec()
         self.outbox: queue.Queue[list[bytes]] = queue.Queue()
         self.loop = None
@@ -56,7 +61,13 @@ class EngineActor:
             from tokenmill.engine.engine_process import engine_info
             from tokenmill.engine.device_peaks import known_peaks
 
-            engine = LLMEngine(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
+            config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+            if isinstance(config.rendezvous, dict):  # tensor parallel: its ranks are Ray actors too
+                import ray
+
+                config.rendezvous = Rendezvous(**config.rendezvous)
+                config.rendezvous.host = ray.util.get_node_ip_address()  # where rank 0 hosts the store
+            engine = LLMEngine(config)
         except Exception as exc:
             self.outbox.put(self.codec.encode(wire.FAILED, wire.to_wire_error(exc)))
             return
@@ -185,33 +196,44 @@ class RayEngineClient(EngineProcessClient):
 
 
 class RayPlacement:
-    """One placement group for the replicas (a bundle each, spread over the nodes); start(i)
-    makes replica i's engine actor in bundle i."""
+    """One placement group for the replicas and their tensor-parallel ranks: a bundle of CPUs
+    each, spread over the nodes; replica i's rank r is bundle i * tp + r."""
 
-    def __init__(self, num_replicas: int, cpus_per_replica: int | None = None) -> None:
+    def __init__(self, num_replicas: int, tensor_parallel_size: int = 1, cpus_per_rank: int | None = None) -> None:
         ray = _import_ray()
         from ray.util.placement_group import placement_group
 
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING,
                      log_to_driver=True)
+        self.tp = tensor_parallel_size
+        num_bundles = num_replicas * tensor_parallel_size
         total = int(ray.cluster_resources().get("CPU", 0))
-        self.cpus = cpus_per_replica or max(1, total // num_replicas)
-        self.group = placement_group([{"CPU": self.cpus}] * num_replicas, strategy="SPREAD")
+        self.cpus = cpus_per_rank or max(1, total // num_bundles)
+        self.name = f"tokenmill-{uuid.uuid4().hex[:12]}"
+        self.group = placement_group([{"CPU": self.cpus}] * num_bundles, strategy="SPREAD", name=self.name)
         try:
             ray.get(self.group.ready(), timeout=120)
         except Exception:
-            raise TokenmillError(f"the Ray cluster cannot place {num_replicas} replicas of {self.cpus} CPUs "
+            raise TokenmillError(f"the Ray cluster cannot place {num_bundles} engines of {self.cpus} CPUs "
                                  f"(it has {total})") from None
         self.actor_class = ray.remote(max_concurrency=4)(EngineActor)
 
     def start(self, index: int, config: EngineConfig) -> RayEngineClient:
+        import secrets
+
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        first = index * self.tp
+        if self.tp > 1:  # rank 0's actor starts the other ranks' actors in the next bundles
+            config = dataclasses.replace(config, rendezvous=Rendezvous(
+                "", 0, self.tp, token=secrets.token_hex(16), ray_placement_group=self.name,
+                ray_bundles=list(range(first, first + self.tp))))
         actor = self.actor_class.options(
             num_cpus=self.cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.group, placement_group_bundle_index=index)).remote(msgspec.msgpack.encode(config), self.cpus)
+                self.group, placement_group_bundle_index=first)).remote(
+            msgspec.msgpack.encode(config), self.cpus, self.tp)
         node_id, pid = ray.get(actor.where.remote(), timeout=READY_TIMEOUT)
         logger.info("replica %d: a Ray actor on node %s (pid %d, %d CPUs)", index, node_id[:12], pid, self.cpus)
         return RayEngineClient(actor, node_id, pid, self.cpus)

@@ -22,6 +22,10 @@ class Rendezvous:
     world_size: int
     spawn_workers: bool = True  # False under torchrun, which starts the other ranks itself
     token: str = ""  # keys live under it; spawned workers get it in their environment
+    # --distributed-executor-backend ray: the workers are Ray actors in these bundles (rank 1.. in
+    # ray_bundles[1:]) of the named placement group, and host is this node's address
+    ray_placement_group: str | None = None
+    ray_bundles: list[int] | None = None
 
 
 def torchrun_rendezvous() -> tuple[int, Rendezvous] | None:

@@ -129,12 +129,16 @@ class TensorParallelExecutor:
         )
         rendezvous = config.rendezvous or Rendezvous("127.0.0.1", 0, world, token=secrets.token_hex(16))
         self.comm = Communicator(0, world)
-        self.workers: list[subprocess.Popen] = []
+        self.workers: list = []  # subprocess.Popen, or ray_workers.RayWorkerHandle (same poll/wait/kill)
         self.runner: ModelRunner | None = None
         self._stopped = False
         self.store, self._listener = open_master_store(rendezvous)
         self.store.set(SPEC_KEY, json.dumps(asdict(self.spec)))
-        if rendezvous.spawn_workers:
+        if rendezvous.spawn_workers and rendezvous.ray_placement_group:
+            from tokenmill.executor.ray_workers import start_ray_workers
+
+            self.workers = start_ray_workers(rendezvous, self.spec.num_threads)
+        elif rendezvous.spawn_workers:
             env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", TOKEN_ENV: rendezvous.token}
             for rank in range(1, world):
                 self.workers.append(subprocess.Popen(

@@ -158,15 +158,16 @@ def _serve_replicas(options: ServeOptions, config: EngineConfig, chat_template: 
     (on CUDA they would share the device: one GPU each is not done yet), or, with
     --distributed-executor-backend ray, N Ray actors spread over a cluster's nodes; one
     prefix-hash key for all of them and the router."""
-    if options.rendezvous is not None or options.tensor_parallel_size > 1 or not options.engine_process:
-        raise TokenmillError("replicas need engine processes: not with --tensor-parallel-size, "
-                             "torchrun or --no-engine-process")
+    ray = options.distributed_executor_backend == "ray"
+    if options.rendezvous is not None or not options.engine_process or (options.tensor_parallel_size > 1 and not ray):
+        raise TokenmillError("replicas need engine processes: not under torchrun or with --no-engine-process, and "
+                             "--tensor-parallel-size only with --distributed-executor-backend ray")
     config.cache.prefix_hash_key = secrets.token_bytes(16)  # this deployment's: replicas and router agree
     placement = None
-    if options.distributed_executor_backend == "ray":
+    if ray:
         from tokenmill.engine.ray_replicas import RayPlacement
 
-        placement = RayPlacement(options.data_parallel_size)
+        placement = RayPlacement(options.data_parallel_size, options.tensor_parallel_size)
 
         def fork_replica(index: int) -> EngineProcessClient:
             return placement.start(index, config)
