@@ -17,7 +17,7 @@ from tokenmill.engine.engine_info import EngineStats, combine_stats
 from tokenmill.engine.kv_cache_manager import KVCacheStats, hash_block
 from tokenmill.engine.metrics import StepStats
 from tokenmill.engine.replica_router import PrefixRouter
-from tokenmill.engine.replica_set import split_cpus
+from tokenmill.engine.replica_set import replica_gpus, split_cpus
 
 KEY = b"k" * 16
 
@@ -83,6 +83,15 @@ def test_cpus_are_split_in_equal_contiguous_shares():
     assert split_cpus(1, [3, 5]) == [[3, 5]]
     with pytest.raises(ValueError, match="at least 3 CPUs"):
         split_cpus(3, [0, 1])
+
+
+def test_replicas_take_a_gpu_each_on_cuda_and_none_on_the_cpu():
+    assert replica_gpus(2, "auto", 0) == [None, None]
+    assert replica_gpus(2, "cpu", 4) == [None, None]
+    assert replica_gpus(2, "auto", 4) == [0, 1]
+    assert replica_gpus(3, "cuda", 3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="need 2 GPUs; 1 are visible"):
+        replica_gpus(2, "cuda", 1)
 
 
 def _stats(running: int, used: int, hits: int, steps: int) -> EngineStats:

@@ -35,6 +35,19 @@ def resolve_device(device: str = "auto") -> torch.device:
     return resolved
 
 
+def nvidia_gpu_count() -> int:
+    """NVIDIA GPUs the driver lists, read without initializing CUDA (a process that forks engine
+    processes must not have): /proc/driver/nvidia/gpus, narrowed by CUDA_VISIBLE_DEVICES."""
+    try:
+        count = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]))
+    return count
+
+
 def cache_dir() -> Path:
     """Where tokenmill keeps what it computes once per machine: $TOKENMILL_CACHE_DIR, by default
     ~/.cache/tokenmill (under $XDG_CACHE_HOME where set)."""

@@ -94,13 +94,14 @@ class EngineProcessClient:
 
     @classmethod
     def start(cls, config: EngineConfig, peak_tflops: float | None = None, peak_bandwidth_gbs: float | None = None,
-              measure_peaks: bool = True, cpu_cores: list[int] | None = None) -> EngineProcessClient:
+              measure_peaks: bool = True, cpu_cores: list[int] | None = None,
+              gpu: int | None = None) -> EngineProcessClient:
         """Fork the engine process: at start-up before this process starts any thread; later (a
         replica's restart) from a thread that lives as long as the server, since the child dies
         with the thread that forked it. The child closes every descriptor it inherited."""
         directory = Path(tempfile.mkdtemp(prefix="tokenmill-engine-"))  # mode 0700: only this user connects
         args = EngineProcessArgs(config, f"ipc://{directory}/commands", f"ipc://{directory}/results",
-                                 peak_tflops, peak_bandwidth_gbs, measure_peaks, cpu_cores)
+                                 peak_tflops, peak_bandwidth_gbs, measure_peaks, cpu_cores, gpu)
         # fork, not spawn: nothing is pickled, and what this process set up (logging) carries over
         return cls(args, ForkedProcess.start(run_engine_process, args), directory)
 

@@ -40,6 +40,7 @@ class EngineProcessArgs:
     peak_bandwidth_gbs: float | None = None
     measure_peaks: bool = True  # a CPU engine measures the CPU's peaks while idle, unless both are given
     cpu_cores: list[int] | None = None  # run on these CPUs only, one torch thread each (a data-parallel replica)
+    gpu: int | None = None  # a data-parallel replica's GPU: the one CUDA device this process sees
 
 
 def run_engine_process(args: EngineProcessArgs) -> None:
@@ -48,6 +49,10 @@ def run_engine_process(args: EngineProcessArgs) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     _die_with_parent()
+    if args.gpu is not None:  # before anything initializes CUDA here
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(args.gpu + 1)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices[args.gpu].strip()
     if args.cpu_cores:
         os.sched_setaffinity(0, args.cpu_cores)
         os.environ["OMP_NUM_THREADS"] = str(len(args.cpu_cores))  # set_cpu_threads' budget

@@ -260,6 +260,18 @@ class ReplicaSet:
         self.publish(StepResult(time.time(), [], self.engine.stats(), {rid: dead for rid in failed}))
 
 
+def replica_gpus(num_replicas: int, device: str, gpu_count: int) -> list[int | None]:
+    """One GPU each when the engines will run on CUDA (device "cuda", or "auto" with GPUs present),
+    else none; ValueError when there are fewer GPUs than replicas."""
+    if device == "cpu" or (device == "auto" and gpu_count == 0):
+        return [None] * num_replicas
+    if device not in ("auto", "cuda"):
+        raise ValueError(f"replicas take one GPU each: give --device cuda or auto, not {device!r}")
+    if gpu_count < num_replicas:
+        raise ValueError(f"{num_replicas} replicas need {num_replicas} GPUs; {gpu_count} are visible")
+    return list(range(num_replicas))
+
+
 def split_cpus(num_replicas: int, cpus: list[int] | None = None) -> list[list[int]]:
     """This process's CPUs in num_replicas contiguous, equal shares (the remainder left unused)."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus

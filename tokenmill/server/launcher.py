@@ -20,9 +20,10 @@ from tokenmill.engine.engine_client import EngineProcessClient
 from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.metrics import CostModel, UtilizationWindow
 from tokenmill.engine.replica_router import PrefixRouter
-from tokenmill.engine.replica_set import ReplicaSet, split_cpus
+from tokenmill.engine.replica_set import ReplicaSet, replica_gpus, split_cpus
 from tokenmill.engine.structured_output import GrammarCompiler
 from tokenmill.errors import TokenmillError
+from tokenmill.platform import nvidia_gpu_count
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from tokenmill.server.metrics import ServingMetrics
 from tokenmill.server.reasoning import REASONING_PARSERS
@@ -155,7 +156,7 @@ def serve(options: ServeOptions) -> int:
 
 def _serve_replicas(options: ServeOptions, config: EngineConfig, chat_template: str | None) -> int:
     """--data-parallel-size N: N engine processes, each on its own share of this machine's CPUs
-    (on CUDA they would share the device: one GPU each is not done yet), or, with
+    (and, on CUDA, a GPU of its own), or, with
     --distributed-executor-backend ray, N Ray actors spread over a cluster's nodes; one
     prefix-hash key for all of them and the router."""
     ray = options.distributed_executor_backend == "ray"
@@ -174,12 +175,13 @@ def _serve_replicas(options: ServeOptions, config: EngineConfig, chat_template: 
     else:
         try:
             shares = split_cpus(options.data_parallel_size)
+            gpus = replica_gpus(options.data_parallel_size, options.device, nvidia_gpu_count())
         except ValueError as exc:
             raise TokenmillError(f"--data-parallel-size: {exc}") from None
 
         def fork_replica(index: int) -> EngineProcessClient:
             return EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs,
-                                             measure_peaks=False, cpu_cores=shares[index])
+                                             measure_peaks=False, cpu_cores=shares[index], gpu=gpus[index])
 
     clients: list[EngineProcessClient] = []
     replicas: ReplicaSet | None = None
