@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import threading
-import time
 import uuid
 
 import msgspec
@@ -24,7 +23,7 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine import wire
-from tokenmill.engine.engine_client import EngineProcessClient
+from tokenmill.engine.engine_client import EngineProcessClient, ForkedProcess
 from tokenmill.engine.engine_process import EngineProcessArgs
 from tokenmill.errors import EngineDeadError, TokenmillError
 from tokenmill.executor.rendezvous import Rendezvous
@@ -108,20 +107,15 @@ class EngineActor:
                 return batch
 
 
-class ActorProcess:
+class ActorProcess(ForkedProcess):
     """A Ray actor, as EngineProcessClient sees a process: alive until the relay saw it end."""
 
     def __init__(self, actor, pid: int) -> None:
-        self.actor, self.pid = actor, pid
-        self.exitcode: int | None = None
+        super().__init__(pid)
+        self.actor = actor
 
     def is_alive(self) -> bool:
         return self.exitcode is None
-
-    def join(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.is_alive() and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.02)
 
     def kill(self) -> None:
         import ray

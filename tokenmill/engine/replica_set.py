@@ -50,35 +50,19 @@ class _Replica:
     in_flight: dict[str, int] = field(default_factory=dict)  # request id -> tokens charged to its load
 
 
-class CombinedEngine:
+class CombinedEngine(RemoteEngine):
     """What the server reads of the replicas together: replica 0's tokenizer, limits and facts
     (every replica loads the same model with the same settings), everyone's figures summed."""
 
     def __init__(self, replicas: ReplicaSet) -> None:
-        self._replicas = replicas
         first: RemoteEngine = replicas.replicas[0].client.engine
-        self.info = first.info
-        self.tokenizer = first.tokenizer
-        self.grammars = first.grammars
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.limits.max_model_len
-
-    @property
-    def model_config(self):
-        return self.info.model_config
-
-    def validate_request(self, prompt_token_ids, params) -> int:
-        return self.info.limits.validate(prompt_token_ids, params)
+        super().__init__(first.info, first.tokenizer, first.grammars)
+        self._replicas = replicas
 
     def stats(self) -> EngineStats:
         replicas, retired = self._replicas.replicas, self._replicas.retired
         return combine_stats([r.client.engine.stats() for r in replicas] + retired,
                              [r.up for r in replicas] + [False] * len(retired))
-
-    def facts(self):
-        return self.info.facts
 
     def has_unfinished_requests(self) -> bool:
         return any(r.up and r.client.engine.has_unfinished_requests() for r in self._replicas.replicas)
