@@ -17,7 +17,7 @@ from server_harness import free_port, read_event, start_server, wait_until
 
 from tokenmill.engine import wire
 from tokenmill.engine.engine_info import EngineStats
-from tokenmill.engine.engine_loop import AddCommand, StepResult
+from tokenmill.engine.engine_loop import AddCommand, StepResult, without_prompts
 from tokenmill.engine.kv_cache_manager import KVCacheStats
 from tokenmill.engine.metrics import StepStats
 from tokenmill.errors import InvalidParameterError, RequestTooLongError
@@ -190,3 +190,44 @@ def test_an_engine_that_cannot_load_is_a_one_line_error(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("tokenmill: error: ") and "broken.gguf" in last
     assert "Traceback" not in result.stderr
+
+
+class _PromptlessCore:
+    """An engine core that answers each add with one final output whose prompt it left out, as an
+    engine process does (without_prompts)."""
+
+    engine = None
+    publish = None
+
+    def submit(self, command) -> None:
+        if isinstance(command, AddCommand):
+            output = RequestOutput(command.request_id, command.prompt_text, list(command.prompt_token_ids),
+                                   [CompletionOutput(0, " done", [7], finish_reason="length")], True,
+                                   RequestMetrics(command.arrival_time, first_token_time=command.arrival_time))
+            result = wire.Codec().decode(*wire.Codec().encode(wire.STEP, without_prompts(
+                StepResult(1.0, [output], _stats(), {}))))
+            assert result.outputs[0].prompt_token_ids == [] and result.outputs[0].prompt is None
+            self.publish(result)
+
+    def request_stop(self) -> None:
+        pass
+
+    def run(self):
+        return None
+
+
+def test_outputs_cross_without_their_prompts_and_get_them_back():
+    import asyncio
+
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+
+    async def body():
+        engine = AsyncLLMEngine(core=_PromptlessCore())
+        engine.attach()
+        outputs = [o async for o in engine.generate("r1", list(range(300)), SamplingParams(), prompt_text="text")]
+        assert engine._prompts == {}  # nothing kept once the request has ended
+        return outputs
+
+    (output,) = asyncio.run(body())
+    assert output.prompt_token_ids == list(range(300)) and output.prompt == "text"
+    assert output.outputs[0].text == " done"

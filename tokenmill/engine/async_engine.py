@@ -84,6 +84,8 @@ class AsyncLLMEngine:
         self.step_observer = step_observer
         self.stall_timeout = stall_timeout
         self._streams: dict[str, _Stream] = {}
+        # each request's prompt until its last output: what an engine process leaves out of its outputs
+        self._prompts: dict[str, tuple[list[int], str | None]] = {}
         self._thread: threading.Thread | None = None
         self._attached = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -188,9 +190,14 @@ class AsyncLLMEngine:
             raise TokenmillError(f"request id {request_id!r} is already in use")
         stream = _Stream(params.n)
         self._streams[request_id] = stream
+        self._prompts[request_id] = (prompt_token_ids, prompt_text)
         self._idle.clear()
         try:
-            self._submit(AddCommand(request_id, prompt_token_ids, params, prompt_text, arrival_time or time.time()))
+            try:
+                self._submit(AddCommand(request_id, prompt_token_ids, params, prompt_text, arrival_time or time.time()))
+            except BaseException:  # never reached the engine: no output will ever come for it
+                self._prompts.pop(request_id, None)
+                raise
             while True:
                 await stream.ready.wait()
                 stream.ready.clear()
@@ -227,12 +234,19 @@ class AsyncLLMEngine:
             stream.ready.set()
 
     def _fail_all(self, error: BaseException) -> None:
+        self._prompts.clear()
         for request_id in list(self._streams):
             self._fail(request_id, error)
 
     def _deliver(self, result: StepResult) -> None:
         for request_id, error in result.errors.items():
+            self._prompts.pop(request_id, None)
             self._fail(request_id, error)
+        for output in result.outputs:
+            prompt = self._prompts.pop(output.request_id, None) if output.finished else \
+                self._prompts.get(output.request_id)
+            if prompt is not None and not output.prompt_token_ids:
+                output.prompt_token_ids, output.prompt = prompt
         now = time.monotonic()
         for output in result.outputs:
             stream = self._streams.get(output.request_id)

@@ -49,6 +49,15 @@ class StepResult:
     errors: dict[str, BaseException]
 
 
+def without_prompts(result: StepResult) -> StepResult:
+    """The result with each output's prompt (text and token ids) left out: what goes over a wire,
+    whose reader sent those prompts itself and puts them back (AsyncLLMEngine._deliver). Without
+    this every step would carry every running request's whole prompt again."""
+    for output in result.outputs:
+        output.prompt, output.prompt_token_ids = None, []
+    return result
+
+
 class EngineLoop:
     """Step an LLMEngine whenever it has work; run() blocks until request_stop() or a fatal error."""
 

@@ -22,7 +22,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine import wire
 from tokenmill.engine.device_peaks import DevicePeaks, known_peaks, measure_cpu_when_idle
 from tokenmill.engine.engine_info import EngineInfo
-from tokenmill.engine.engine_loop import EngineLoop
+from tokenmill.engine.engine_loop import EngineLoop, without_prompts
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -90,7 +90,7 @@ def run_engine_process(args: EngineProcessArgs) -> None:
 
 
 def _serve(engine, args: EngineProcessArgs, send, reader: CommandReader, parent: int) -> int:
-    loop = EngineLoop(engine, lambda result: send(wire.STEP, result))
+    loop = EngineLoop(engine, lambda result: send(wire.STEP, without_prompts(result)))
     peaks = known_peaks(engine.device, args.peak_tflops, args.peak_bandwidth_gbs)
     send(wire.READY, engine_info(engine, peaks))
     reader.start(loop)

@@ -56,7 +56,7 @@ class EngineActor:
         self.loop = None
         try:
             from tokenmill.engine.engine_core import LLMEngine
-            from tokenmill.engine.engine_loop import EngineLoop
+            from tokenmill.engine.engine_loop import EngineLoop, without_prompts
             from tokenmill.engine.engine_process import engine_info
             from tokenmill.engine.device_peaks import known_peaks
 
@@ -71,7 +71,8 @@ class EngineActor:
             self.outbox.put(self.codec.encode(wire.FAILED, wire.to_wire_error(exc)))
             return
         self.engine = engine
-        self.loop = EngineLoop(engine, lambda result: self.outbox.put(self.codec.encode(wire.STEP, result)))
+        self.loop = EngineLoop(engine, lambda result: self.outbox.put(
+            self.codec.encode(wire.STEP, without_prompts(result))))
         self.outbox.put(self.codec.encode(wire.READY, engine_info(engine, known_peaks(engine.device))))
         threading.Thread(target=self._run, name="tokenmill-engine", daemon=True).start()
 
