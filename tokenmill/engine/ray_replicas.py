@@ -135,8 +135,8 @@ class RayEngineClient(EngineProcessClient):
         self._results = self._context.socket(zmq.PULL)
         self._results.bind(address)
         self._commands = None
-        self.args = EngineProcessArgs(EngineConfig(), "ray", address, measure_peaks=False,
-                                      cpu_cores=None)
+        # what ReplicaSet reads of a client's start arguments (the engine's config went to the actor)
+        self.args = EngineProcessArgs(EngineConfig(), "ray", address, measure_peaks=False, cpu_cores=None)
         self.num_cpus = num_cpus
         self.process = ActorProcess(actor, pid)
         self._directory = None

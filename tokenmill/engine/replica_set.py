@@ -119,10 +119,8 @@ class ReplicaSet:
 
     def run(self) -> EngineDeadError | None:
         poller = zmq.Poller()
-        sockets = {}
         for replica in self.replicas:
             poller.register(replica.client.results_socket, zmq.POLLIN)
-            sockets[replica.client.results_socket] = replica
         while True:
             self._take_in_restarted(poller)
             ready = dict(poller.poll(POLL_MS))
