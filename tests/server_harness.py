@@ -28,6 +28,19 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool
     return predicate()
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc, in pid order."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    children.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass  # gone meanwhile
+    return sorted(children)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

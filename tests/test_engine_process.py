@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from server_harness import free_port, read_event, start_server, wait_until
+from server_harness import child_pids, free_port, read_event, start_server, wait_until
 
 from tokenmill.engine import wire
 from tokenmill.engine.engine_info import EngineStats
@@ -75,9 +75,9 @@ def test_the_wire_decodes_only_the_type_its_kind_names():
 
 
 def _engine_pid(server) -> int:
-    children = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
+    children = child_pids(server.process.pid)
     assert len(children) == 1, children  # the engine process, and nothing else
-    return int(children[0])
+    return children[0]
 
 
 def _complete(server, prompt: str) -> str:
@@ -121,8 +121,7 @@ def test_in_process_engine_gives_the_same_tokens(engine_server, tiny_llama_dir, 
     expected = _complete(engine_server, "Water runs under the")
     server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--no-engine-process"], tmp_path)
     try:
-        children = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout
-        assert children.split() == []
+        assert child_pids(server.process.pid) == []
         assert _complete(server, "Water runs under the") == expected
     finally:
         assert server.stop() == 0

@@ -25,6 +25,16 @@ def cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir, tmp_path_factory) -> list[str]:
+    """What a local engine answers to PROMPTS."""
+    local = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path_factory.mktemp("local"))
+    try:
+        return [_complete(local, p) for p in PROMPTS]
+    finally:
+        assert local.stop() == 0
+
+
 def _complete(server, prompt: str) -> str:
     response = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0,
                                                "ignore_eos": True})
@@ -32,18 +42,11 @@ def _complete(server, prompt: str) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def test_a_replica_on_the_second_node_serves(cluster, tiny_llama_dir, tmp_path, monkeypatch):
+def test_a_replica_on_the_second_node_serves(cluster, expected, tiny_llama_dir, tmp_path, monkeypatch):
     ray_cluster, second = cluster
-    (tmp_path / "local").mkdir()
-    (tmp_path / "ray").mkdir()
-    local = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path / "local")
-    try:
-        expected = [_complete(local, p) for p in PROMPTS]
-    finally:
-        assert local.stop() == 0
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
     server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--data-parallel-size", "2",
-                           "--distributed-executor-backend", "ray"], tmp_path / "ray", timeout=300)
+                           "--distributed-executor-backend", "ray"], tmp_path, timeout=300)
     try:
         replicas = server.request("GET", "/v1/replicas").json()["data"]
         nodes = [r["node"] for r in replicas]
@@ -62,13 +65,8 @@ def test_a_replica_on_the_second_node_serves(cluster, tiny_llama_dir, tmp_path, 
     assert "a Ray actor on node" in server.log()
 
 
-def test_tensor_parallel_ranks_on_two_nodes(cluster, tiny_llama_dir, tmp_path, monkeypatch):
+def test_tensor_parallel_ranks_on_two_nodes(cluster, expected, tiny_llama_dir, tmp_path, monkeypatch):
     ray_cluster, second = cluster
-    local = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path)
-    try:
-        expected = [_complete(local, p) for p in PROMPTS]
-    finally:
-        assert local.stop() == 0
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
     server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--tensor-parallel-size", "2",
                            "--distributed-executor-backend", "ray"], tmp_path, timeout=300)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from server_harness import read_event, start_server, wait_until
+from server_harness import child_pids, read_event, start_server, wait_until
 
 from tokenmill.engine.engine_info import EngineStats, combine_stats
 from tokenmill.engine.kv_cache_manager import KVCacheStats, hash_block
@@ -117,18 +117,6 @@ def _system_prompt(topic: str) -> str:
     return f"You are an expert on {topic}. {facts} Answer briefly."
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    children.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return sorted(children)
-
-
 def _allowed_cpus(pid: int) -> list[int]:
     """The CPUs a process may run on, from /proc (e.g. "0-2,5" -> [0, 1, 2, 5])."""
     text = Path(f"/proc/{pid}/status").read_text().split("Cpus_allowed_list:")[1].split()[0]
@@ -178,7 +166,7 @@ def test_two_replicas_give_one_engines_tokens_each_on_its_own_cpu(single, pair):
     assert [r["up"] for r in replicas] == [True, True]
     assert [r["cpu_cores"] for r in replicas] == split_cpus(2)
     assert [_allowed_cpus(r["pid"]) for r in replicas] == split_cpus(2)
-    assert sorted(r["pid"] for r in replicas) == _children(pair.process.pid)
+    assert sorted(r["pid"] for r in replicas) == child_pids(pair.process.pid)
     assert pair.metric("tokenmill:replica_up", replica="0") == 1.0
     assert pair.metric("tokenmill:replica_up", replica="1") == 1.0
 
@@ -250,7 +238,7 @@ def test_a_dead_replica_fails_only_its_requests_and_the_rest_goes_on(tiny_llama_
         restarted = server.post("/v1/replicas/1/restart", None)
         assert restarted.status == 200, restarted.body
         new_pid = restarted.json()["pid"]
-        assert new_pid != victim["pid"] and new_pid in _children(server.process.pid)
+        assert new_pid != victim["pid"] and new_pid in child_pids(server.process.pid)
         assert wait_until(lambda: [r["up"] for r in server.request("GET", "/v1/replicas").json()["data"]]
                           == [True, True], 10)
         before = server.request("GET", "/v1/replicas").json()["data"][1]["prefix_cache_queries"]

@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from server_harness import start_server
+from server_harness import child_pids, start_server
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidParameterError
@@ -89,18 +89,16 @@ def test_default_model_tp3_matches_and_tp2_is_refused(default_llm):
 
 def _worker_pids(server_pid: int) -> list[int]:
     """The tensor-parallel workers under a server: its children, or its engine process's."""
-    processes = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    candidates = child_pids(server_pid)
+    candidates += [pid for child in candidates for pid in child_pids(child)]
+    workers = []
+    for pid in candidates:
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            processes[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
-        except (OSError, IndexError, ValueError):
-            continue
-    parents = {server_pid} | {pid for pid, (ppid, _) in processes.items() if ppid == server_pid}
-    return [pid for pid, (ppid, cmdline) in processes.items()
-            if ppid in parents and b"tokenmill.executor.tp_worker" in cmdline]
+            if b"tokenmill.executor.tp_worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                workers.append(pid)
+        except OSError:
+            pass
+    return workers
 
 
 def test_server_ends_with_a_clear_error_when_a_worker_dies(tiny_llama_dir, tmp_path):

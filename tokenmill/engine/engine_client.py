@@ -75,22 +75,33 @@ class RemoteEngine:
 class EngineProcessClient:
     """Start with start(); then wait_ready() before handing it to AsyncLLMEngine(core=...)."""
 
-    def __init__(self, args: EngineProcessArgs, process: ForkedProcess, directory: Path) -> None:
+    def __init__(self, args: EngineProcessArgs, process: ForkedProcess, directory: Path | None = None) -> None:
         self.args = args
         self.process = process
-        self._directory = directory
-        self._context = zmq.Context()
-        self._commands = self._context.socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.SNDHWM, 0)  # never drop a command for a busy engine; see _send
-        self._commands.bind(args.commands_address)
-        self._results = self._context.socket(zmq.PULL)
-        self._results.bind(args.results_address)
+        self._directory = directory  # where the IPC sockets live (removed at shutdown)
+        self._context, self._commands, self._results = self._open_sockets(args)
         self._codec = wire.Codec()
         self._send_lock = threading.Lock()  # submit() runs on the event loop, request_stop() anywhere
         self._stop_sent = False
         self.engine: RemoteEngine | None = None
         self.publish: Callable[[StepResult], None] | None = None
         self.fatal_error: EngineDeadError | None = None
+
+    def _open_sockets(self, args: EngineProcessArgs) -> tuple[zmq.Context, zmq.Socket | None, zmq.Socket]:
+        """(context, commands socket, results socket) bound at the addresses the engine connects to."""
+        context = zmq.Context()
+        commands = context.socket(zmq.PUSH)
+        commands.setsockopt(zmq.SNDHWM, 0)  # never drop a command for a busy engine; see _send
+        commands.bind(args.commands_address)
+        results = context.socket(zmq.PULL)
+        results.bind(args.results_address)
+        return context, commands, results
+
+    def _close_sockets(self) -> None:
+        self._commands.close(linger=0)
+        self._results.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._directory, ignore_errors=True)
 
     @classmethod
     def start(cls, config: EngineConfig, peak_tflops: float | None = None, peak_bandwidth_gbs: float | None = None,
@@ -203,10 +214,7 @@ class EngineProcessClient:
                 logger.warning("the engine process did not stop within %.0f s; killing it", STOP_TIMEOUT)
                 self.process.kill()
                 self.process.join()
-        self._commands.close(linger=0)
-        self._results.close(linger=0)
-        self._context.term()
-        shutil.rmtree(self._directory, ignore_errors=True)
+        self._close_sockets()
 
 
 class ForkedProcess:

@@ -25,7 +25,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine import wire
 from tokenmill.engine.engine_client import EngineProcessClient, ForkedProcess
 from tokenmill.engine.engine_process import EngineProcessArgs
-from tokenmill.errors import EngineDeadError, TokenmillError
+from tokenmill.errors import TokenmillError
 from tokenmill.executor.rendezvous import Rendezvous
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class ActorProcess(ForkedProcess):
         import ray
 
         ray.kill(self.actor)
+        self.exitcode = -9
 
 
 class RayEngineClient(EngineProcessClient):
@@ -130,25 +131,25 @@ class RayEngineClient(EngineProcessClient):
     def __init__(self, actor, node_id: str, pid: int, num_cpus: int) -> None:
         self.actor = actor
         self.node_id = node_id
-        address = f"inproc://tokenmill-ray-{uuid.uuid4().hex}"
-        self._context = zmq.Context.instance()
-        self._results = self._context.socket(zmq.PULL)
-        self._results.bind(address)
-        self._commands = None
-        # what ReplicaSet reads of a client's start arguments (the engine's config went to the actor)
-        self.args = EngineProcessArgs(EngineConfig(), "ray", address, measure_peaks=False, cpu_cores=None)
         self.num_cpus = num_cpus
-        self.process = ActorProcess(actor, pid)
-        self._directory = None
-        self._codec = wire.Codec()
-        self._send_lock = threading.Lock()
-        self._stop_sent = False
-        self.engine = None
-        self.publish = None
-        self.fatal_error: EngineDeadError | None = None
+        address = f"inproc://tokenmill-ray-{uuid.uuid4().hex}"
+        # what ReplicaSet reads of a client's start arguments (the engine's config went to the actor)
+        args = EngineProcessArgs(EngineConfig(), "ray", address, measure_peaks=False, cpu_cores=None)
+        super().__init__(args, ActorProcess(actor, pid))
         self._relay = threading.Thread(target=self._relay_results, args=(address,), name="tokenmill-ray-relay",
                                        daemon=True)
         self._relay.start()
+
+    def _open_sockets(self, args: EngineProcessArgs):
+        """No command socket (commands are actor calls); results come from the relay, in this process."""
+        context = zmq.Context.instance()
+        results = context.socket(zmq.PULL)
+        results.bind(args.results_address)
+        return context, None, results
+
+    def _close_sockets(self) -> None:
+        self._relay.join(5)
+        self._results.close(linger=0)
 
     def _relay_results(self, address: str) -> None:
         import ray
@@ -177,18 +178,6 @@ class RayEngineClient(EngineProcessClient):
     def _send(self, frames: list[bytes]) -> None:
         if self.process.is_alive():
             self.actor.submit.remote(*frames)
-
-    def shutdown(self) -> None:
-        if self._results.closed:
-            return
-        if self.process.is_alive():
-            self.request_stop()
-            self.process.join(30)
-            if self.process.is_alive():
-                self.process.kill()
-        self._relay.join(5)
-        self._results.close(linger=0)
-
 
 class RayPlacement:
     """One placement group for the replicas and their tensor-parallel ranks: a bundle of CPUs

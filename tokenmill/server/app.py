@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.engine.replica_set import ReplicaSet
 from tokenmill.errors import InvalidParameterError, ModelNotFoundError, TokenmillError
 from tokenmill.server.errors import error_response, invalid_body
 from tokenmill.server.metrics import replica_row
@@ -220,22 +221,24 @@ def build_app(ctx: ServerContext, api_key: str | None = None, max_body_bytes: in
     async def stats() -> Response:
         return JSONResponse(feed.snapshot())
 
+    def replica_set() -> ReplicaSet:
+        if not isinstance(ctx.engine.core, ReplicaSet):
+            raise ModelNotFoundError("this server runs one engine, not replicas")
+        return ctx.engine.core
+
     @app.get("/v1/replicas")
     async def replicas() -> Response:
         """The data-parallel replicas (--data-parallel-size), each up or down, with its figures."""
-        core = ctx.engine.core
-        if not hasattr(core, "statuses"):
-            return error_response(ModelNotFoundError("this server runs one engine, not replicas"))
-        return JSONResponse({"data": [replica_row(status) for status in core.statuses()]})
+        try:
+            return JSONResponse({"data": [replica_row(status) for status in replica_set().statuses()]})
+        except TokenmillError as exc:
+            return error_response(exc)
 
     @app.post("/v1/replicas/{index}/restart")
     async def restart_replica(index: int) -> Response:
         """Start a replica that is down again (its new engine process loads the model first)."""
-        core = ctx.engine.core
-        if not hasattr(core, "restart"):
-            return error_response(ModelNotFoundError("this server runs one engine, not replicas"))
         try:
-            return JSONResponse(replica_row(await asyncio.to_thread(core.restart, index)))
+            return JSONResponse(replica_row(await asyncio.to_thread(replica_set().restart, index)))
         except TokenmillError as exc:
             return error_response(exc)
 
