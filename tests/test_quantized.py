@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill.layers import quantized
-from tokenmill.layers.cpu_kernels import kernels_available, quant_gemv_q8_available
+from tokenmill.layers.cpu_kernels import kernels_available, quant_gemm_available, quant_gemv_q8_available
 from tokenmill.layers.quantized import (
     InterleavedWeight, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concat_rows, interleave_weights,
     pack_nibbles, quantize_rtn, quantized_matmul, unpack_nibbles,
@@ -17,6 +17,14 @@ from tokenmill.models.gguf_quants import QUANTIZED_TYPES, repack
 
 needs_kernel = pytest.mark.skipif(not kernels_available(), reason="the quantized kernel needs AVX-512")
 needs_q8_kernel = pytest.mark.skipif(not quant_gemv_q8_available(), reason="8-bit activations need AVX-512 VNNI")
+
+
+def gemm_backends() -> list[int]:
+    """quant_gemm's backends this CPU runs: 1 (AVX-512 BF16), and 0 (the best: AMX) where that differs."""
+    if not kernels_available():
+        return []
+    have = torch.ops.tokenmill.quant_gemm_backends()
+    return {0: [], 1: [1], 2: [0, 1]}[have]
 
 
 def random_weight(rows: int, cols: int, bits: int, group: int, seed: int = 0, half: bool = False) -> QuantizedWeight:
@@ -182,6 +190,64 @@ def test_which_kernel_a_layer_takes(monkeypatch):
     assert torch.equal(quantized_matmul(x16, w), float_kernel)
 
 
+def gemm(x: torch.Tensor, q: QuantizedWeight, backend: int) -> torch.Tensor:
+    w = InterleavedWeight.from_rows(q)
+    return torch.ops.tokenmill.quant_gemm(x, w.codes, w.scales, w.offsets, w.bits, w.group_size, w.num_rows, backend)
+
+
+@pytest.mark.skipif(not gemm_backends(), reason="quant_gemm needs AVX-512 BF16")
+@pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 16), (4, 16), (8, 64), (4, 128)]))
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 33, 64, 129])
+@pytest.mark.parametrize("outputs", [45, 96])  # a padded last block; an odd number of blocks (6) and 3 pairs
+def test_gemm_kernel_equals_the_bf16_weights_product(bits, group, cols, rows, outputs):
+    """Many bf16 rows: the product with the weight dequantized in float32 and rounded to bf16
+    (what the kernel puts in its panels), summed in float32, rounded once to bf16."""
+    q = random_weight(outputs, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    w = reference_weight(q).float().bfloat16().double()
+    want = x.double() @ w.T
+    bound = want.abs() * 2**-8 + 1e-5 * (x.double().abs() @ w.abs().T)  # the output's rounding, float32 sums
+    for backend in gemm_backends():
+        got = gemm(x, q, backend)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
+        error = (got.double() - want).abs()
+        assert (error <= bound).all(), f"backend {backend}: worst excess {(error - bound).max().item():.3g}"
+
+
+@pytest.mark.skipif(not gemm_backends(), reason="quant_gemm needs AVX-512 BF16")
+def test_gemm_kernel_refuses_what_it_cannot_take():
+    q = InterleavedWeight.from_rows(random_weight(32, 64, 4, 32))
+    args = (q.codes, q.scales, q.offsets, 4, 32, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.tokenmill.quant_gemm(torch.randn(9, 64), *args)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        torch.ops.tokenmill.quant_gemm(torch.randn(9, 128).bfloat16(), *args)
+    with pytest.raises(RuntimeError, match="backend"):
+        torch.ops.tokenmill.quant_gemm(torch.randn(9, 64).bfloat16(), *args, 3)
+
+
+@needs_q8_kernel
+@pytest.mark.skipif(not gemm_backends(), reason="quant_gemm needs AVX-512 BF16")
+def test_which_kernel_many_bf16_rows_take(monkeypatch):
+    """Past 8 rows an interleaved bf16 layer multiplies with quant_gemm where it is available, else
+    with its weight dequantized for the call (or a packed copy, where it was given one)."""
+    q = random_weight(64, 576, 4, 32)
+    layer = QuantizedLinear(InterleavedWeight.from_rows(q))
+    x = torch.randn(40, 576).bfloat16()
+    calls = []
+    real = quantized._gemm_matmul
+    monkeypatch.setattr(quantized, "_gemm_matmul", lambda *args: calls.append(len(args[0])) or real(*args))
+    monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: True)
+    assert torch.equal(layer(x), gemm(x, q, 0)) and calls == [40]
+    layer(x[:8])  # the VNNI kernel's rows
+    layer(x.float())  # not bf16
+    assert calls == [40]
+    monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: False)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, q.dequantize(torch.bfloat16)), rtol=0,
+                               atol=1e-2)
+    assert calls == [40]
+
+
 def test_interleaving_a_model_keeps_a_tied_table_shared():
     q = random_weight(40, 64, 8, 32)
     model = torch.nn.ModuleDict({"embed": QuantizedEmbedding(q, torch.float32), "head": QuantizedLinear(q),
@@ -318,6 +384,34 @@ def test_tiny_gguf_keeps_every_type_quantized_and_matches_its_dequantized_self(t
     for a, b in zip(logits_kept, logits_plain):
         assert (a - b).abs().max().item() <= 1e-4
     assert logits_plain[0].std() > 0.1
+
+
+@pytest.mark.skipif(not quant_gemm_available(), reason="batches read the codes only where quant_gemm runs")
+def test_bf16_gguf_batches_read_the_codes_and_match_the_packed_copy(tmp_path, monkeypatch):
+    """bf16 on a CPU where quant_gemm runs: the quantized linears keep no bf16 copy, and prompts
+    (past 8 rows: quant_gemm) give the tokens and, within bf16 noise, the logits of the same
+    model whose linears multiply batches with a oneDNN-packed copy."""
+    from test_gguf import write_tiny_gguf
+
+    from tokenmill.models.loader import load_model
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(path, "llama")
+    cpu = torch.device("cpu")
+    reading = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
+    monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: False)
+    packed = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
+    layer = reading.model.layers[1].mlp.down_proj
+    assert isinstance(layer, QuantizedLinear) and layer.batched is None
+    assert packed.model.layers[1].mlp.down_proj.batched is not None
+    prompt = [5, 17, 123, 42, 7, 250, 3, 99, 11, 64, 8, 200]
+    monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: True)
+    tokens, logits = _greedy(reading, prompt, 8)
+    want_tokens, want_logits = _greedy(packed, prompt, 8)
+    assert tokens == want_tokens
+    for a, b in zip(logits, want_logits):
+        assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+    assert not all(torch.equal(a, b) for a, b in zip(logits, want_logits))  # two different paths ran
 
 
 @pytest.mark.parametrize("bits", [8, 4])

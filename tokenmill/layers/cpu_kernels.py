@@ -2,7 +2,8 @@
 
 One extension holds them all: paged decode attention (paged_decode.cpp), quantized-weight
 matrix-vector products with float32 activations (quant_gemv.cpp) and, on CPUs with AVX-512
-VNNI, with 8-bit ones (quant_gemv_q8.cpp), and the small fused steps of every layer
+VNNI, with 8-bit ones (quant_gemv_q8.cpp), the same weights against many bf16 rows on AMX or
+AVX-512 BF16 (quant_gemm.cpp), and the small fused steps of every layer
 (fused_ops.cpp: RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write).
 The build takes ~15 s once and is cached by torch.utils.cpp_extension under
 ~/.cache/torch_extensions, keyed by this CPU's feature flags and the sources
@@ -26,7 +27,7 @@ from tokenmill.platform import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "fused_ops.cpp")]
+SOURCES = [CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "quant_gemm.cpp", "fused_ops.cpp")]
 HEADERS = [CSRC / "vec_math.h", CSRC / "quant_layout.h"]  # in the build fingerprint too
 
 
@@ -68,6 +69,18 @@ def kernels_available() -> bool:
 def quant_gemv_q8_available() -> bool:
     """The 8-bit-activation kernel is built only where the compiler targets AVX-512 VNNI."""
     return kernels_available() and "avx512_vnni" in cpu_flags()
+
+
+@functools.cache
+def quant_gemm_available() -> bool:
+    """Whether batches of bf16 rows multiply quantized weights with quant_gemm.cpp instead of a
+    packed bf16 copy. TOKENMILL_QUANT_GEMM: auto (the default: where it runs on AMX tiles, which
+    match oneDNN's speed closely enough), 1 (on AVX-512 BF16 too: slower there, but no copy), 0."""
+    setting = os.environ.get("TOKENMILL_QUANT_GEMM", "auto")
+    if setting == "0" or not kernels_available():
+        return False
+    backends = torch.ops.tokenmill.quant_gemm_backends()
+    return backends == 2 or (setting == "1" and backends == 1)
 
 
 def _build_fingerprint() -> str:

@@ -7,7 +7,8 @@ the two copies and picks per call. Applied by swapping modules after loading, so
 stays plain nn.Linear.
 
 A quantized linear (layers/quantized.py) gets only the packed copy, of its dequantized weight,
-for batches: its few-row calls read the quantized codes, so no plain bf16 copy is kept.
+for batches: its few-row calls read the quantized codes, so no plain bf16 copy is kept; on AMX
+CPUs its batches read the codes too, and it gets no copy at all.
 """
 
 from __future__ import annotations
@@ -93,10 +94,10 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None, is_gate_up: bool, k
     return CpuPackedLinear(weight, bias, keep_plain=keep_plain)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, quantized_too: bool = True) -> int:
     """Replace every nn.Linear of the model by a CpuPackedLinear (CpuPackedGateUp for the fused
-    gate/up projections, named gate_up_proj), and give every QuantizedLinear a packed copy of its
-    dequantized weight for batches; returns the extra bytes used."""
+    gate/up projections, named gate_up_proj), and (quantized_too) give every QuantizedLinear a
+    packed copy of its dequantized weight for batches; returns the extra bytes used."""
     extra = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -104,19 +105,19 @@ def pack_linear_weights(model: nn.Module) -> int:
                 bias = None if child.bias is None else child.bias.data
                 setattr(parent, name, _packed(child.weight.data, bias, name == "gate_up_proj", keep_plain=True))
                 extra += child.weight.numel() * child.weight.element_size()
-            elif isinstance(child, QuantizedLinear):
+            elif isinstance(child, QuantizedLinear) and quantized_too:
                 weight = child.qweight.dequantize(torch.bfloat16)
                 child.batched = _packed(weight, child.bias, name == "gate_up_proj", keep_plain=False)
                 extra += weight.numel() * weight.element_size()
     return extra
 
 
-def linear_weight_bytes(model: nn.Module) -> int:
+def linear_weight_bytes(model: nn.Module, quantized_too: bool = True) -> int:
     """What pack_linear_weights would add: a bf16 copy of every linear's weight."""
     total = 0
     for m in model.modules():
         if isinstance(m, nn.Linear):
             total += m.weight.numel() * m.weight.element_size()
-        elif isinstance(m, QuantizedLinear):
+        elif isinstance(m, QuantizedLinear) and quantized_too:
             total += m.out_features * m.in_features * 2
     return total

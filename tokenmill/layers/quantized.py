@@ -17,9 +17,12 @@ activations per group of the weight's to a layer's `activation_bits`: 16 by defa
 parts, ~exact: the default model's perplexity on the decode path is bf16's to 0.01%) or 8 (as
 llama.cpp does: +1.3% perplexity; benchmarks/perplexity.py). That kernel's integer sums stay in
 one lane per output row, so it needs no horizontal sums and reads the weights at memory speed.
-More rows (prefill, large decode batches) use `batched`, a dense module over the dequantized
-weight that layers/linear.py packs for oneDNN once at load on bf16 CPUs, so the matrix units run
-them; where there is none, a call dequantizes the weight for itself. Without the kernels (no
+More rows (prefill, large decode batches) of a bf16 model go, on CPUs with AMX, through
+csrc/quant_gemm.cpp, which dequantizes the interleaved weight into cache-sized panels of bf16 as
+it multiplies on the tiles, so no bf16 copy of the weights is kept (cpu_kernels.quant_gemm_available
+says where). Elsewhere they use `batched`,
+a dense module over the dequantized weight that layers/linear.py packs for oneDNN once at load on
+bf16 CPUs; where there is none, a call dequantizes the weight for itself. Without the kernels (no
 AVX-512, CUDA) few rows go the same way: correct, not fast.
 """
 
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.activation import silu_and_mul
-from tokenmill.layers.cpu_kernels import kernels_available, quant_gemv_q8_available
+from tokenmill.layers.cpu_kernels import kernels_available, quant_gemm_available, quant_gemv_q8_available
 
 CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
 GEMV_MAX_ROWS = 8  # at most this many rows go through the matrix-vector kernel
@@ -255,11 +258,19 @@ def uses_kernel(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.shape[0] <= GEMV_MAX_ROWS and _kernel_available()
 
 
+def uses_gemm_kernel(x: torch.Tensor, qweight: AnyQuantizedWeight) -> bool:
+    """Whether x (many bf16 rows) against this weight goes through csrc/quant_gemm.cpp."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and isinstance(qweight, InterleavedWeight)
+            and x.shape[-1] % 32 == 0 and _gemm_kernel_available())
+
+
 def quantized_matmul(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bits: int | None = 16) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, N] in x's dtype. activation_bits: what the VNNI kernel may round x to
     (8 or 16) for an InterleavedWeight, None to keep it float32 (the row layout's float kernel)."""
     if uses_kernel(x):
         return _kernel_matmul(x, qweight, activation_bits)
+    if uses_gemm_kernel(x, qweight):
+        return _gemm_matmul(x, qweight)
     return F.linear(x, qweight.dequantize(x.dtype))
 
 
@@ -277,9 +288,14 @@ def _vnni_matmul(x: torch.Tensor, q: InterleavedWeight, two_parts: bool) -> torc
                                                      q.num_rows, two_parts)
 
 
+def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight) -> torch.Tensor:
+    return torch.ops.tokenmill.quant_gemm.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, q.num_rows)
+
+
 # names of this module's own, for tests to switch the kernels off
 _kernel_available = kernels_available
 _q8_kernel_available = quant_gemv_q8_available
+_gemm_kernel_available = quant_gemm_available
 
 
 class QuantizedLinear(nn.Module):
@@ -298,6 +314,8 @@ class QuantizedLinear(nn.Module):
             out = _kernel_matmul(x, self.qweight, self.activation_bits)
         elif self.batched is not None:
             return self.batched(x)
+        elif uses_gemm_kernel(x, self.qweight):
+            out = _gemm_matmul(x, self.qweight)
         else:
             out = F.linear(x, self.qweight.dequantize(x.dtype))
         return out if self.bias is None else out + self.bias
@@ -364,6 +382,12 @@ def interleave_weights(model: nn.Module) -> int:
 def interleaving_pays(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decode on this device and dtype runs the VNNI kernel (float32 keeps the exact one)."""
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and _q8_kernel_available()
+
+
+def batches_read_codes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether many rows multiply straight from the interleaved codes (csrc/quant_gemm.cpp), so
+    that quantized linears need no packed bf16 copy."""
+    return dtype == torch.bfloat16 and interleaving_pays(device, dtype) and _gemm_kernel_available()
 
 
 def describe_weight_formats(model: nn.Module, dtype: torch.dtype) -> str:

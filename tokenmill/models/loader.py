@@ -14,7 +14,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
 from tokenmill.layers.parallel import Communicator
 from tokenmill.layers.quantized import (
-    describe_weight_formats, interleave_weights, interleaving_pays, quantize_linear_layers,
+    batches_read_codes, describe_weight_formats, interleave_weights, interleaving_pays, quantize_linear_layers,
 )
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
@@ -142,15 +142,17 @@ def check_fits_in_memory(config: ModelConfig, context: int, dtype: torch.dtype, 
 
 def maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """On bf16 CPUs, add oneDNN-packed copies of the linear weights (~20% faster batched matmuls)
-    when the extra copy costs under a tenth of the free memory."""
+    when the extra copy costs under a tenth of the free memory; quantized linears get none where
+    their batches run the AMX kernel."""
     if not packing_available(device, dtype):
         return
+    quantized_too = not batches_read_codes(device, dtype)  # else their batches read the codes
     net.untie_lm_head()
-    extra = linear_weight_bytes(net)
+    extra = linear_weight_bytes(net, quantized_too)
     if extra > 0.1 * available_memory_bytes(device):
         logger.info("not packing weights for oneDNN: %d MB extra would not fit comfortably", extra >> 20)
         return
-    pack_linear_weights(net)
+    pack_linear_weights(net, quantized_too)
 
 
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:

@@ -232,25 +232,10 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
 
 #endif  // __AVX512VNNI__
 
-void check_interleaved(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor& offsets, int64_t bits, int64_t G, int64_t N) {
-  tokenmill_quant::check_activations(x);
-  tokenmill_quant::check_bits_and_group(bits, G);
-  const int64_t K = x.size(1);
-  TORCH_CHECK(K % G == 0, "K must be a multiple of the group size");
-  const int64_t blocks = (N + kLanes - 1) / kLanes;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
-                  codes.size(0) == blocks && codes.size(1) == K / G && codes.size(2) == kLanes * G * bits / 8,
-              "codes must be contiguous uint8 [ceil(N / 16), K / G, 16 G bits / 8]");
-  tokenmill_quant::check_scales(scales, offsets);
-  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == K / G && scales.size(2) == kLanes,
-              "scales must be [ceil(N / 16), K / G, 16]");
-}
-
 at::Tensor quant_gemv_q8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                          const at::Tensor& offsets, int64_t bits, int64_t group_size, int64_t N, bool two_parts) {
 #if defined(__AVX512VNNI__)
-  check_interleaved(x_in, codes, scales, offsets, bits, group_size, N);
+  tokenmill_quant::check_interleaved(x_in, codes, scales, offsets, bits, group_size, N);
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
   const bool half_scales = scales.scalar_type() == at::kHalf;

@@ -1,9 +1,11 @@
-// Argument checks of the quantized-weight kernels (quant_gemv.cpp, quant_gemv_q8.cpp; layouts in
+// Argument checks of the quantized-weight kernels (quant_gemv.cpp, quant_gemv_q8.cpp, quant_gemm.cpp; layouts in
 // layers/quantized.py), so that each rule is written once.
 #pragma once
 #include <ATen/core/Tensor.h>
 
 namespace tokenmill_quant {
+
+constexpr int64_t kInterleavedLanes = 16;  // output rows per block of the interleaved layout
 
 // x [M, K] in float32, bfloat16 or float16.
 inline void check_activations(const at::Tensor& x) {
@@ -45,6 +47,22 @@ inline void check_arguments(const at::Tensor& x, const at::Tensor& codes, const 
                             const at::Tensor& offsets, int64_t bits, int64_t group_size) {
   check_activations(x);
   check_row_weight(codes, scales, offsets, bits, group_size, x.size(1));
+}
+
+// x [M, K] against a weight in the interleaved layout (quant_gemv_q8.cpp) of N output rows.
+inline void check_interleaved(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& offsets, int64_t bits, int64_t G, int64_t N) {
+  check_activations(x);
+  check_bits_and_group(bits, G);
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % G == 0, "K must be a multiple of the group size");
+  const int64_t blocks = (N + kInterleavedLanes - 1) / kInterleavedLanes;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
+                  codes.size(0) == blocks && codes.size(1) == K / G && codes.size(2) == kInterleavedLanes * G * bits / 8,
+              "codes must be contiguous uint8 [ceil(N / 16), K / G, 16 G bits / 8]");
+  check_scales(scales, offsets);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == K / G && scales.size(2) == kInterleavedLanes,
+              "scales must be [ceil(N / 16), K / G, 16]");
 }
 
 }  // namespace tokenmill_quant
