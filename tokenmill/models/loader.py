@@ -155,11 +155,23 @@ def maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torc
     pack_linear_weights(net, quantized_too)
 
 
+def _materialize(net: torch.nn.Module, device: torch.device) -> None:
+    """Module.to_empty(device), without its empty_like: on meta tensors that goes through torch's
+    reference decompositions, which import sympy (~1 s of every start-up)."""
+    for module in net.modules():
+        for name, param in module.named_parameters(recurse=False):
+            empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buffer in module.named_buffers(recurse=False):
+            module.register_buffer(name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device),
+                                   persistent=name not in module._non_persistent_buffers_set)
+
+
 def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
     """An uninitialised model on `device` (weights come from load_weights)."""
     with torch.device("meta"):
         net = DecoderForCausalLM(config, max_positions)
-    net = net.to(dtype=dtype).to_empty(device=device)
+    _materialize(net.to(dtype=dtype), device)
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_cache(device)

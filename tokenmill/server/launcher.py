@@ -8,6 +8,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def serve(options: ServeOptions) -> int:
     if options.engine_process and options.rendezvous is None:
         client = EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs)
         try:
-            engine = client.wait_ready(_load_tokenizer, _grammar_compiler)
+            engine = client.wait_ready(_tokenizer_loaded_meanwhile(config.model), _grammar_compiler)
             return _serve(options, AsyncLLMEngine(core=client, **_engine_options(options)), engine.info.peaks,
                           engine.info.dtype, chat_template, measure_here=False)
         finally:
@@ -235,6 +236,20 @@ def _load_tokenizer(info: EngineInfo):
     from tokenmill.models.model_files import load_tokenizer
 
     return load_tokenizer(Path(info.model_path))
+
+
+def _tokenizer_loaded_meanwhile(model: str | None) -> Callable[[EngineInfo], object]:
+    """Load the tokenizer now, while the engine process loads the model (~1 s of start-up each);
+    returns what gives wait_ready the tokenizer of the model the engine loaded. A model that
+    cannot be found or read is left to the engine, which reports why."""
+    from tokenmill.models.model_files import load_tokenizer, resolve_model_path
+
+    try:
+        path = resolve_model_path(model)
+        early = load_tokenizer(path)
+    except TokenmillError:
+        return _load_tokenizer
+    return lambda info: early if Path(info.model_path) == path else _load_tokenizer(info)
 
 
 def _grammar_compiler(tokenizer, info: EngineInfo) -> GrammarCompiler:
