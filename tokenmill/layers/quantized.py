@@ -18,12 +18,12 @@ parts, ~exact: the default model's perplexity on the decode path is bf16's to 0.
 llama.cpp does: +1.3% perplexity; benchmarks/perplexity.py). That kernel's integer sums stay in
 one lane per output row, so it needs no horizontal sums and reads the weights at memory speed.
 More rows (prefill, large decode batches) of a bf16 model go, on CPUs with AMX, through
-csrc/quant_gemm.cpp, which dequantizes the interleaved weight into cache-sized panels of bf16 as
-it multiplies on the tiles, so no bf16 copy of the weights is kept (cpu_kernels.quant_gemm_available
-says where). Elsewhere they use `batched`,
-a dense module over the dequantized weight that layers/linear.py packs for oneDNN once at load on
-bf16 CPUs; where there is none, a call dequantizes the weight for itself. Without the kernels (no
-AVX-512, CUDA) few rows go the same way: correct, not fast.
+csrc/quant_gemm.cpp, which dequantizes the interleaved weight into cache-sized bf16 panels as it
+multiplies on the tiles, so no bf16 copy of the weights is kept (cpu_kernels.quant_gemm_available
+says where). Elsewhere they use `batched`, a dense module over the dequantized weight that
+layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none, a call
+dequantizes the weight for itself. Without the kernels (no AVX-512, CUDA) few rows go the same
+way: correct, not fast.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def uses_kernel(x: torch.Tensor) -> bool:
 def uses_gemm_kernel(x: torch.Tensor, qweight: AnyQuantizedWeight) -> bool:
     """Whether x (many bf16 rows) against this weight goes through csrc/quant_gemm.cpp."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and isinstance(qweight, InterleavedWeight)
-            and x.shape[-1] % 32 == 0 and _gemm_kernel_available())
+            and _gemm_kernel_available())
 
 
 def quantized_matmul(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bits: int | None = 16) -> torch.Tensor:

@@ -76,6 +76,17 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
+def cached_tokenizer(path: Path):
+    """The tokenizer of a GGUF whose conversion is cached (see load_tokenizer), else None: what
+    loads without converting anything (and, unlike a conversion, without importing torch)."""
+    if not path.is_file() or not (converted_tokenizer_dir(path) / "tokenizer_config.json").is_file():
+        return None
+    try:
+        return load_tokenizer(path)
+    except ModelLoadError:
+        return None
+
+
 def converted_tokenizer_dir(gguf_path: Path) -> Path:
     import transformers
 

@@ -239,15 +239,18 @@ def _load_tokenizer(info: EngineInfo):
 
 
 def _tokenizer_loaded_meanwhile(model: str | None) -> Callable[[EngineInfo], object]:
-    """Load the tokenizer now, while the engine process loads the model (~1 s of start-up each);
-    returns what gives wait_ready the tokenizer of the model the engine loaded. A model that
-    cannot be found or read is left to the engine, which reports why."""
-    from tokenmill.models.model_files import load_tokenizer, resolve_model_path
+    """Load a GGUF's cached tokenizer now, while the engine process loads the model (~1 s of
+    start-up each); returns what gives wait_ready the tokenizer of the model the engine loaded.
+    Anything else waits for the engine: a model that cannot be found or read (the engine reports
+    why), and a first conversion (the engine's caches it; converting here would import torch)."""
+    from tokenmill.models.model_files import cached_tokenizer, resolve_model_path
 
     try:
         path = resolve_model_path(model)
-        early = load_tokenizer(path)
     except TokenmillError:
+        return _load_tokenizer
+    early = cached_tokenizer(path)
+    if early is None:
         return _load_tokenizer
     return lambda info: early if Path(info.model_path) == path else _load_tokenizer(info)
 
