@@ -60,13 +60,9 @@ def load_tokenizer(path: Path):
 
             return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         cached = converted_tokenizer_dir(path)
-        if (cached / "tokenizer_config.json").is_file():
-            from transformers import PreTrainedTokenizerFast
-
-            try:
-                return PreTrainedTokenizerFast.from_pretrained(str(cached))
-            except Exception as exc:  # a damaged cache entry: convert again
-                logger.warning("ignoring the cached tokenizer in %s: %s", cached, str(exc).splitlines()[0])
+        tokenizer = _read_converted(cached)
+        if tokenizer is not None:
+            return tokenizer
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
@@ -79,11 +75,19 @@ def load_tokenizer(path: Path):
 def cached_tokenizer(path: Path):
     """The tokenizer of a GGUF whose conversion is cached (see load_tokenizer), else None: what
     loads without converting anything (and, unlike a conversion, without importing torch)."""
-    if not path.is_file() or not (converted_tokenizer_dir(path) / "tokenizer_config.json").is_file():
+    return _read_converted(converted_tokenizer_dir(path)) if path.is_file() else None
+
+
+def _read_converted(cached: Path):
+    """The fast tokenizer saved in `cached`, or None where there is none or it is damaged."""
+    if not (cached / "tokenizer_config.json").is_file():
         return None
+    from transformers import PreTrainedTokenizerFast
+
     try:
-        return load_tokenizer(path)
-    except ModelLoadError:
+        return PreTrainedTokenizerFast.from_pretrained(str(cached))
+    except Exception as exc:  # a damaged cache entry: convert again
+        logger.warning("ignoring the cached tokenizer in %s: %s", cached, str(exc).splitlines()[0])
         return None
 
 

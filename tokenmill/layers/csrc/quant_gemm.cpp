@@ -42,7 +42,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;         // output rows per interleaved block
+constexpr int64_t kLanes = tokenmill_quant::kInterleavedLanes;  // output rows per block
 constexpr int64_t kPanelBytes = 768 << 10;  // blocks dequantized at a time: about this much, in L2
 constexpr int64_t kRowBytes = 64;      // one panel row: 16 outputs x a bf16 pair
 constexpr int64_t kInterleavedRows = 128;  // up to this many rows, dequantize while multiplying (AMX)
@@ -61,9 +61,12 @@ inline __m512i pick_codes(int t, int part) {
 
 struct QuadPicks {
   __m512i pick[2][2];  // [pair][part]
+  __m512i lanes[2];    // per part: the scale/offset lane of each of its 16 values (outputs 0-7, 8-15, twice each)
   QuadPicks() {
     for (int pair = 0; pair < 2; ++pair)
       for (int part = 0; part < 2; ++part) pick[pair][part] = pick_codes(2 * pair, part);
+    lanes[0] = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    lanes[1] = _mm512_add_epi32(lanes[0], _mm512_set1_epi32(8));
   }
 };
 
@@ -93,15 +96,13 @@ struct Dequantizer {
 
   // groups [g_begin, g_end) of block b into its panel
   void operator()(int64_t b, int64_t g_begin, int64_t g_end, uint16_t* panel) const {
-    const __m512i pick_low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i pick_high = _mm512_add_epi32(pick_low, _mm512_set1_epi32(8));
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int64_t group_bytes = kLanes * G * bits / 8;
     for (int64_t g = g_begin; g < g_end; ++g) {
       const __m512 scale = load(scales + (b * groups + g) * kLanes, kLanes);
       const __m512 offset = load(offsets + (b * groups + g) * kLanes, kLanes);
-      const __m512 s[2] = {_mm512_permutexvar_ps(pick_low, scale), _mm512_permutexvar_ps(pick_high, scale)};
-      const __m512 o[2] = {_mm512_permutexvar_ps(pick_low, offset), _mm512_permutexvar_ps(pick_high, offset)};
+      const __m512 s[2] = {_mm512_permutexvar_ps(picks.lanes[0], scale), _mm512_permutexvar_ps(picks.lanes[1], scale)};
+      const __m512 o[2] = {_mm512_permutexvar_ps(picks.lanes[0], offset), _mm512_permutexvar_ps(picks.lanes[1], offset)};
       const uint8_t* group_codes = codes + (b * groups + g) * group_bytes;
       uint16_t* group_rows = panel + g * G * kLanes;  // G / 2 rows of 32 bf16
       if (bits == 8) {
@@ -365,19 +366,17 @@ at::Tensor quant_gemm(const at::Tensor& x_in, const at::Tensor& codes, const at:
   tokenmill_quant::check_interleaved(x_in, codes, scales, offsets, bits, group_size, N);
   TORCH_CHECK(x_in.size(1) % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(backend == 0 || backend == 1, "backend must be 0 (best) or 1 (AVX-512 BF16)");
-  const int64_t available = quant_gemm_backends();
-  TORCH_CHECK(available > 0, "quant_gemm needs a CPU with AVX-512 BF16");
 #if defined(__AVX512BF16__)
   const at::Tensor x = x_in.contiguous();
   at::Tensor out = at::empty({x.size(0), N}, x.options());
-  const bool amx = backend == 0 && available == 2;
+  const bool amx = backend == 0 && quant_gemm_backends() == 2;
   if (scales.scalar_type() == at::kHalf)
     run<c10::Half>(x, codes, scales, offsets, bits, group_size, amx, out);
   else
     run<float>(x, codes, scales, offsets, bits, group_size, amx, out);
   return out;
 #else
-  return x_in;
+  TORCH_CHECK(false, "quant_gemm needs a CPU with AVX-512 BF16");
 #endif
 }
 

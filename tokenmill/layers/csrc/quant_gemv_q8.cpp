@@ -41,7 +41,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;     // output rows per block
+constexpr int64_t kLanes = tokenmill_quant::kInterleavedLanes;  // output rows per block
 
 #if defined(__AVX512VNNI__)
 
