@@ -11,6 +11,7 @@ from tokenmill.errors import TokenmillError
 QUANTIZATION_ARGS = ["auto", "none", "int8", "int4"]
 QUANTIZATION_HELP = ("weights: auto keeps a GGUF's own quantization (HF models stay in --dtype), none dequantizes, "
                      "int8/int4 quantize the linears at load (group-wise, round to nearest)")
+ENFORCE_EAGER_HELP = "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs"
 
 
 def _quantization(arg: str) -> str | None:
@@ -26,6 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                     quantization=_quantization(args.quantization),
                                     tensor_parallel_size=args.tensor_parallel_size, rendezvous=args.rendezvous,
+                                    enforce_eager=args.enforce_eager,
                                     scheduler=SchedulerConfig(max_model_len=args.max_model_len)))
     try:
         return _stream_generation(engine, args, params)
@@ -116,6 +118,7 @@ def _add_serve_parser(sub) -> None:
                        help="sliding window of the utilization and cost gauges")
     serve.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="split the model over N processes (gloo on CPU, NCCL on GPUs)")
+    serve.add_argument("--enforce-eager", action="store_true", help=ENFORCE_EAGER_HELP)
     serve.set_defaults(func=_serve, rendezvous=None)
 
 
@@ -134,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quantization", default="auto", choices=QUANTIZATION_ARGS, help=QUANTIZATION_HELP)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over N processes")
+    gen.add_argument("--enforce-eager", action="store_true", help=ENFORCE_EAGER_HELP)
     gen.set_defaults(func=_generate, rendezvous=None)
     _add_serve_parser(sub)
     from tokenmill.plan.report import add_parser as add_plan_parser

@@ -133,6 +133,7 @@ class EngineConfig:
     # None: a GGUF keeps its quantized weights; "none": dequantize; "int8"/"int4": quantize at load
     quantization: str | None = None
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying graphs
     rendezvous: object | None = None  # executor.tensor_parallel.Rendezvous under torchrun; None: spawn local workers
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

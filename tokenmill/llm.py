@@ -36,6 +36,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1:
             raise InvalidParameterError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
@@ -52,6 +53,7 @@ class LLM:
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
             quantization=quantization,
+            enforce_eager=enforce_eager,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

@@ -63,6 +63,7 @@ class ServeOptions:
     peak_bandwidth_gbs: float | None = None
     metrics_window: float = 60.0
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # CUDA: no decode graphs
     rendezvous: object | None = None  # set under torchrun (tokenmill.cli)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
@@ -218,6 +219,7 @@ def _engine_config(options: ServeOptions) -> EngineConfig:
         quantization=options.quantization,
         seed=options.seed,
         tensor_parallel_size=options.tensor_parallel_size,
+        enforce_eager=options.enforce_eager,
         rendezvous=options.rendezvous,
         cache=CacheConfig(kv_cache_memory=options.kv_cache_memory),
         scheduler=SchedulerConfig(

@@ -8,12 +8,13 @@ import mmap
 import torch
 
 from tokenmill.engine.scheduler_output import PromptLogprobsRequest, SamplingRequest, SchedulerOutput
-from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry
+from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry, TorchPagedAttention
 from tokenmill.layers.cpu_attention import default_attention_backend
 from tokenmill.layers.sampler import SamplingSpec, TokenBitmask, sample, scored_tokens
 from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.outputs import ModelRunnerOutput, SampledToken
+from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.forward_input import ForwardInput
 
 
@@ -28,8 +29,13 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         backend: AttentionBackend | None = None,
+        decode_graphs: bool = False,
     ) -> None:
+        """decode_graphs: pure decode steps replay CUDA graphs (worker/decode_graphs.py); the cache
+        then gets one block more than the pool's num_blocks, the padding rows' scratch block."""
         config = model.config
+        scratch_block = num_blocks
+        num_blocks += 1 if decode_graphs else 0
         self.model = model
         self.device = device
         self.geometry = CacheGeometry(
@@ -41,6 +47,8 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
+        if backend is None and decode_graphs:  # the padded decode steps read keys in its row layout
+            backend = TorchPagedAttention()
         self.backend = backend or default_attention_backend(device, dtype, config.head_dim, config.num_query_groups)
         # [layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim]; zeroed so that unwritten
         # slots gathered with a block are finite (masked, but NaN * 0 would still poison softmax).
@@ -50,6 +58,7 @@ class ModelRunner:
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         # few-row decode steps skip the modules' per-call Python (models/decode_plan.py)
         self.decode_plan = DecodePlan(model, self.kv_caches) if DecodePlan.applies(self.backend) else None
+        self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.geometry, scratch_block) if decode_graphs else None
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -60,6 +69,8 @@ class ModelRunner:
     def forward(self, batch: ForwardInput) -> torch.Tensor | None:
         """The forward pass: writes the new K/V; returns float32 logits [num_logits, vocab] of the
         sequences that need them (their last new token), or None if none does."""
+        if self.decode_graphs is not None and self.decode_graphs.covers(batch):
+            return self._logits(batch, self.decode_graphs.forward(batch))
         input_ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.int64, device=self.device)
         metadata = self.backend.build_metadata(
             query_lens=[len(ids) for ids in batch.token_ids],
@@ -72,7 +83,9 @@ class ModelRunner:
             hidden = self.decode_plan.forward(input_ids, metadata.positions, ctx)  # [T, hidden]
         else:
             hidden = self.model(input_ids, metadata.positions, ctx)
+        return self._logits(batch, hidden)
 
+    def _logits(self, batch: ForwardInput, hidden: torch.Tensor) -> torch.Tensor | None:
         logits_rows = batch.logits_rows()
         if not logits_rows:
             return None
