@@ -7,8 +7,8 @@ the two copies and picks per call. Applied by swapping modules after loading, so
 stays plain nn.Linear.
 
 A quantized linear (layers/quantized.py) gets only the packed copy, of its dequantized weight,
-for batches: its few-row calls read the quantized codes, so no plain bf16 copy is kept; on AMX
-CPUs its batches read the codes too, and it gets no copy at all.
+for batches: its few-row calls read the quantized codes, so no plain bf16 copy is kept; on CPUs
+with AMX or AVX-512 BF16 its batches read the codes too, and it gets no copy at all.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def check_fits_in_memory(config: ModelConfig, context: int, dtype: torch.dtype, 
 def maybe_pack_weights(net: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """On bf16 CPUs, add oneDNN-packed copies of the linear weights (~20% faster batched matmuls)
     when the extra copy costs under a tenth of the free memory; quantized linears get none where
-    their batches run the AMX kernel."""
+    their batches run csrc/quant_gemm.cpp."""
     if not packing_available(device, dtype):
         return
     quantized_too = not batches_read_codes(device, dtype)  # else their batches read the codes
