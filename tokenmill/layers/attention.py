@@ -159,6 +159,15 @@ def prefill_bucket(step: StepLayout, members: torch.Tensor, geometry: CacheGeome
     )
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """The step's keys and values [T, kv_heads, head_dim] into the cache rows write_index (of each
+    cache, in the row layout, viewed as [-1, head_dim])."""
+    head_dim = k_cache.shape[-1]
+    k_cache.view(-1, head_dim).index_copy_(0, write_index, k.transpose(0, 1).reshape(-1, head_dim))
+    v_cache.view(-1, head_dim).index_copy_(0, write_index, v.transpose(0, 1).reshape(-1, head_dim))
+
+
 class AttentionBackend(Protocol):
     """Attention for every layer of a step: builds the step's metadata once, then runs each layer."""
 
@@ -273,11 +282,7 @@ class TorchPagedAttention:
 
     def _write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
                   k: torch.Tensor, v: torch.Tensor) -> None:
-        """The step's keys and values [T, kv_heads, head_dim] into the cache rows metadata.write_index
-        (of each cache viewed as [-1, head_dim])."""
-        head_dim = k_cache.shape[-1]
-        k_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, k.transpose(0, 1).reshape(-1, head_dim))
-        v_cache.view(-1, head_dim).index_copy_(0, metadata.write_index, v.transpose(0, 1).reshape(-1, head_dim))
+        write_kv(k_cache, v_cache, metadata.write_index, k, v)
 
     def _gather_keys(self, k_cache: torch.Tensor, gather_index: torch.Tensor, context_len: int) -> torch.Tensor:
         """The blocks of gather_index as keys [kv_heads, B, context_len, head_dim] (a workspace view)."""

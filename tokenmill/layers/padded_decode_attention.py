@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import CacheGeometry
+from tokenmill.layers.attention import CacheGeometry, write_kv
 
 
 @dataclass
@@ -80,8 +80,7 @@ class PaddedDecodeAttention:
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
         batch, groups = q.shape[0], q.shape[1] // num_kv_heads
-        for cache, new in ((k_cache, k), (v_cache, v)):
-            cache.view(-1, head_dim).index_copy_(0, metadata.write_index, new.transpose(0, 1).reshape(-1, head_dim))
+        write_kv(k_cache, v_cache, metadata.write_index, k, v)
         keys = k_cache[:, metadata.block_table].view(num_kv_heads, batch, -1, head_dim)  # [kv_heads, B, L, head_dim]
         values = v_cache[:, metadata.block_table].view(num_kv_heads, batch, -1, head_dim)
         queries = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)  # [kv_heads, B, groups, head_dim]

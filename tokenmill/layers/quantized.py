@@ -19,8 +19,8 @@ llama.cpp does: +1.3% perplexity; benchmarks/perplexity.py). That kernel's integ
 one lane per output row, so it needs no horizontal sums and reads the weights at memory speed.
 More rows (prefill, large decode batches) of a bf16 model go, on CPUs with AMX or AVX-512 BF16,
 through csrc/quant_gemm.cpp, which dequantizes the interleaved weight into cache-sized bf16
-panels as it multiplies (on AMX tiles, else vdpbf16ps), so no bf16 copy of the weights is kept (cpu_kernels.quant_gemm_available
-says where). Elsewhere they use `batched`, a dense module over the dequantized weight that
+panels as it multiplies (on AMX tiles, else vdpbf16ps), so no bf16 copy of the weights is kept
+(cpu_kernels.quant_gemm_available says where). Elsewhere they use `batched`, a dense module over the dequantized weight that
 layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none, a call
 dequantizes the weight for itself. Without the kernels (no AVX-512, CUDA) few rows go the same
 way: correct, not fast.
