@@ -7,7 +7,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from server_harness import read_event, start_server
+from server_harness import read_event, start_server, wait_until
 
 from tokenmill import SamplingParams
 
@@ -140,6 +140,7 @@ def test_hostile_requests_get_4xx_while_normal_streams_complete(server, tiny_llm
 
 def test_a_forged_log_line_is_escaped(server):
     server.request("GET", "/v1/models%0a127.0.0.1%20GET%20/forged%20200")
+    wait_until(lambda: "/v1/models\\n127.0.0.1" in server.log(), timeout=10)  # the access line follows the response
     assert "\n127.0.0.1 GET /forged 200" not in server.log()
     assert "/v1/models\\n127.0.0.1" in server.log()
 
