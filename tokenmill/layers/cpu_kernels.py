@@ -7,8 +7,11 @@ AVX-512 BF16 (quant_gemm.cpp), and the small fused steps of every layer
 (fused_ops.cpp: RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write).
 The build takes ~15 s once and is cached by torch.utils.cpp_extension under
 ~/.cache/torch_extensions, keyed by this CPU's feature flags and the sources
-(builds use -march=native). Everything here needs AVX-512; where the build is unavailable, or
-with TOKENMILL_CPU_KERNELS=0, callers use their PyTorch paths.
+(builds use -march=native). All of that needs AVX-512. CPUs with AVX2 and FMA but no AVX-512 get
+a smaller extension instead, quant_gemv_avx2.cpp: the same quant_gemv and quant_dequantize ops, so
+that their decode steps read the quantized weights as they are (everything else takes the PyTorch
+path there). Where no build is available, or with TOKENMILL_CPU_KERNELS=0, callers use their
+PyTorch paths.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "quant_gemm.cpp", "fused_ops.cpp")]
+AVX2_SOURCES = [CSRC / "quant_gemv_avx2.cpp"]  # built only where SOURCES cannot be
 HEADERS = [CSRC / "vec_math.h", CSRC / "quant_layout.h"]  # in the build fingerprint too
+AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
 
 def kernels_enabled() -> bool:
@@ -37,15 +42,27 @@ def kernels_enabled() -> bool:
 
 @functools.cache
 def load_cpu_kernels() -> bool:
-    """Build (or load the cached build of) the kernels; False where they are unavailable."""
+    """Build (or load the cached build of) the AVX-512 kernels; False where they are unavailable."""
     if "AVX512" not in torch.backends.cpu.get_cpu_capability():
         return False
+    return _build("tokenmill_cpu_kernels", SOURCES)
+
+
+@functools.cache
+def load_avx2_kernels() -> bool:
+    """Build (or load) quant_gemv_avx2.cpp on a CPU with AVX2 and FMA but without AVX-512."""
+    if "AVX512" in torch.backends.cpu.get_cpu_capability() or not AVX2_FLAGS <= cpu_flags():
+        return False
+    return _build("tokenmill_avx2_kernels", AVX2_SOURCES)
+
+
+def _build(name: str, sources: list[Path]) -> bool:
     try:
         from torch.utils import cpp_extension
 
         cpp_extension.load(
-            name=f"tokenmill_cpu_kernels_{_build_fingerprint()}",
-            sources=[str(source) for source in SOURCES],
+            name=f"{name}_{_build_fingerprint(sources)}",
+            sources=[str(source) for source in sources],
             # -fopenmp: at::parallel_for is inline OpenMP; it resolves to the libgomp torch loaded
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
@@ -66,6 +83,13 @@ def kernels_available() -> bool:
 
 
 @functools.cache
+def quant_gemv_available() -> bool:
+    """Whether quant_gemv and quant_dequantize are registered: with the AVX-512 kernels, or on
+    an AVX2 CPU by their own build."""
+    return kernels_enabled() and (load_cpu_kernels() or load_avx2_kernels())
+
+
+@functools.cache
 def quant_gemv_q8_available() -> bool:
     """The 8-bit-activation kernel is built only where the compiler targets AVX-512 VNNI."""
     return kernels_available() and "avx512_vnni" in cpu_flags()
@@ -81,11 +105,11 @@ def quant_gemm_available() -> bool:
     return torch.ops.tokenmill.quant_gemm_backends() > 0
 
 
-def _build_fingerprint() -> str:
+def _build_fingerprint(sources: list[Path]) -> str:
     """A short hash of this CPU's feature flags and the sources: a cache shared by machines (an NFS
     home) must not hand one CPU's build to another."""
     flags = " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
     digest = hashlib.sha1(flags.encode())
-    for source in SOURCES + HEADERS:
+    for source in sources + HEADERS:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:10]

@@ -18,15 +18,20 @@ from torch import nn
 
 from tokenmill.layers.activation import silu_and_mul as fused_silu_and_mul
 from tokenmill.layers.quantized import QuantizedLinear
+from tokenmill.platform import cpu_flags
 
 # At most this many rows go to ATen's matrix-vector kernel instead of oneDNN.
 SMALL_BATCH_ROWS = 1
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN's bf16 weight packing, which needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: a bf16 model on
+    an AVX2-only CPU keeps plain weights."""
+    flags = cpu_flags()
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
+        and ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")

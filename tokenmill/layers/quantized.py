@@ -8,7 +8,7 @@ codes u, and per group of G consecutive input columns of an output row a scale s
 Q4_0 is 4-bit with o = -8 s, Q4_1 and Q4_K 4-bit with o = their min, Q8_0 8-bit with u = q + 128
 and o = -128 s, Q5_K 8-bit, Q6_K 8-bit with G = 16 (see models/gguf_quants.py).
 
-A few rows (decode) go through our AVX-512 kernels, which read the codes from memory as they are.
+A few rows (decode) go through our CPU kernels, which read the codes from memory as they are.
 float32 activations stay float32 (csrc/quant_gemv.cpp, over this row layout: the dequantized
 weight's product up to float32 rounding). For bfloat16/float16 models on CPUs with AVX-512 VNNI,
 the loader re-lays each linear's weight out once as an InterleavedWeight (16 output rows side by
@@ -22,8 +22,9 @@ through csrc/quant_gemm.cpp, which dequantizes the interleaved weight into cache
 panels as it multiplies (on AMX tiles, else vdpbf16ps), so no bf16 copy of the weights is kept
 (cpu_kernels.quant_gemm_available says where). Elsewhere they use `batched`, a dense module over the dequantized weight that
 layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none, a call
-dequantizes the weight for itself. Without the kernels (no AVX-512, CUDA) few rows go the same
-way: correct, not fast.
+dequantizes the weight for itself. CPUs with AVX2 but no AVX-512 have quant_gemv and the
+dequantizer only (csrc/quant_gemv_avx2.cpp): few rows read the codes there too. Without any
+kernel (CUDA, other CPUs) few rows go the dequantizing way: correct, not fast.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.activation import silu_and_mul
-from tokenmill.layers.cpu_kernels import kernels_available, quant_gemm_available, quant_gemv_q8_available
+from tokenmill.layers.cpu_kernels import quant_gemm_available, quant_gemv_available, quant_gemv_q8_available
 
 CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
 GEMV_MAX_ROWS = 8  # at most this many rows go through the matrix-vector kernel
@@ -293,7 +294,7 @@ def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight) -> torch.Tensor:
 
 
 # names of this module's own, for tests to switch the kernels off
-_kernel_available = kernels_available
+_kernel_available = quant_gemv_available
 _q8_kernel_available = quant_gemv_q8_available
 _gemm_kernel_available = quant_gemm_available
 

@@ -1,0 +1,242 @@
+// quant_gemv and quant_dequantize (the ops of quant_gemv.cpp, same layout, same schemas) for x86 CPUs
+// with AVX2 and FMA but no AVX-512: the only kernels built there (cpu_kernels.py).
+//
+// Weight n, column k, in group g = k / G:   w = scales[n, g] * u + offsets[n, g]
+// so a row's product with x splits per group into   scales[n, g] * (u . x)_g + offsets[n, g] * sum(x)_g.
+// The group sums of x are computed once per call; the inner loop then converts 8 codes to float and
+// multiply-adds them into the group's dot product (two vector ops per 8 weights, not three), and the
+// group's scale is applied once per group. float32 activations stay float32: the dequantized weight's
+// product up to float32 rounding.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "quant_layout.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 64;   // columns per packed 4-bit chunk
+constexpr int64_t kMaxRows = 4;  // activation rows sharing one pass over the weights (16 ymm registers)
+
+// The codes of the chunk starting at column c of a row, 16 per vector (one per byte): four vectors
+// for a full chunk, two for a final 32-column one (see the layout at the top of quant_gemv.cpp);
+// returns how many.
+inline int load_pieces(const uint8_t* row, int64_t c, int64_t K, int bits, __m128i pieces[4]) {
+  const int64_t width = std::min(kChunk, K - c);
+  if (bits == 8) {
+    for (int p = 0; p < 4; ++p) {
+      if (16 * p < width) pieces[p] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c + 16 * p));
+    }
+    return static_cast<int>(width / 16);
+  }
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const uint8_t* packed = row + c / 2;
+  const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  if (width < kChunk) {  // columns 0-15 in the low nibbles of its 16 bytes, 16-31 in the high ones
+    pieces[0] = _mm_and_si128(first, nibble);
+    pieces[1] = _mm_and_si128(_mm_srli_epi16(first, 4), nibble);
+    return 2;
+  }
+  const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16));
+  pieces[0] = _mm_and_si128(first, nibble);  // columns 0-31 in the low nibbles of its 32 bytes
+  pieces[1] = _mm_and_si128(second, nibble);
+  pieces[2] = _mm_and_si128(_mm_srli_epi16(first, 4), nibble);  // 32-63 in the high ones
+  pieces[3] = _mm_and_si128(_mm_srli_epi16(second, 4), nibble);
+  return 4;
+}
+
+// 16 codes as two vectors of 8 floats.
+inline void widen(__m128i codes, __m256& low, __m256& high) {
+  low = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+  high = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+}
+
+// A row's group scales (or offsets) as float32: float16 ones converted into buf.
+inline const float* as_float(const float* src, float*, int64_t) { return src; }
+inline __attribute__((always_inline)) const float* as_float(const c10::Half* src, float* buf, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+inline float horizontal_sum(__m256 v) {
+  const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// Output rows [n_begin, n_end) for ROWS activation rows; x_sums[r * groups + g] = sum of x row r over group g.
+template <int ROWS, typename S>
+void gemv_rows(const float* x, int64_t x_stride, const float* x_sums, const uint8_t* codes, const S* scales,
+               const S* offsets, int64_t n_begin, int64_t n_end, int64_t K, int64_t G, int bits, float* out,
+               int64_t out_stride) {
+  const int64_t row_bytes = bits == 8 ? K : K / 2;
+  const int64_t groups = K / G;
+  std::vector<float> scale_buf(groups), offset_buf(groups);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* w = codes + n * row_bytes;
+    const float* s = as_float(scales + n * groups, scale_buf.data(), groups);
+    const float* o = as_float(offsets + n * groups, offset_buf.data(), groups);
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 dot_low[ROWS], dot_high[ROWS];  // the current group's u . x, two chains per row
+    for (int r = 0; r < ROWS; ++r) dot_low[r] = dot_high[r] = _mm256_setzero_ps();
+    int64_t g = 0, pieces_left = G / 16;  // the group of the current 16 columns (no division)
+    for (int64_t c = 0; c < K; c += kChunk) {
+      __m128i pieces[4];
+      const int count = load_pieces(w, c, K, bits, pieces);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        if (p >= count) break;
+        __m256 low, high;
+        widen(pieces[p], low, high);
+        const int64_t col = c + 16 * p;
+        for (int r = 0; r < ROWS; ++r) {
+          dot_low[r] = _mm256_fmadd_ps(low, _mm256_loadu_ps(x + r * x_stride + col), dot_low[r]);
+          dot_high[r] = _mm256_fmadd_ps(high, _mm256_loadu_ps(x + r * x_stride + col + 8), dot_high[r]);
+        }
+        if (--pieces_left == 0) {  // the group ends: its scale multiplies its dot product once
+          const __m256 scale = _mm256_set1_ps(s[g++]);
+          for (int r = 0; r < ROWS; ++r) {
+            acc[r] = _mm256_fmadd_ps(_mm256_add_ps(dot_low[r], dot_high[r]), scale, acc[r]);
+            dot_low[r] = dot_high[r] = _mm256_setzero_ps();
+          }
+          pieces_left = G / 16;
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      float offset_term = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) offset_term += o[g] * x_sums[r * groups + g];
+      out[r * out_stride + n] = horizontal_sum(acc[r]) + offset_term;
+    }
+  }
+}
+
+template <typename S>
+using GemvFn = void (*)(const float*, int64_t, const float*, const uint8_t*, const S*, const S*, int64_t, int64_t,
+                        int64_t, int64_t, int, float*, int64_t);
+template <typename S>
+constexpr GemvFn<S> kGemv[kMaxRows] = {gemv_rows<1, S>, gemv_rows<2, S>, gemv_rows<3, S>, gemv_rows<4, S>};
+
+template <typename S>
+void run(const float* x, int64_t M, int64_t K, const at::Tensor& codes, const at::Tensor& scales,
+         const at::Tensor& offsets, int64_t bits, int64_t G, float* out) {
+  const int64_t N = codes.size(0), groups = K / G;
+  std::vector<float> x_sums(M * groups);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(x + m * K + k));
+      x_sums[m * groups + g] = horizontal_sum(sum);
+    }
+  }
+  const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
+  const S* scale_ptr = scales.data_ptr<S>();
+  const S* offset_ptr = offsets.data_ptr<S>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const int64_t count = std::min(kMaxRows, M - m);
+      kGemv<S>[count - 1](x + m * K, K, x_sums.data() + m * groups, code_ptr, scale_ptr, offset_ptr, begin, end, K,
+                          G, static_cast<int>(bits), out + m * N, N);
+    }
+  });
+}
+
+at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                      const at::Tensor& offsets, int64_t bits, int64_t group_size) {
+  tokenmill_quant::check_arguments(x, codes, scales, offsets, bits, group_size);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (scales.scalar_type() == at::kHalf) {
+    run<c10::Half>(x32.data_ptr<float>(), M, K, codes, scales, offsets, bits, group_size, out.data_ptr<float>());
+  } else {
+    run<float>(x32.data_ptr<float>(), M, K, codes, scales, offsets, bits, group_size, out.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// The whole weight [N, K] in `dtype`: w = s * u + o in float32, rounded once to T.
+template <typename S, typename T>
+void dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
+                     int64_t G, int64_t K, at::Tensor& out) {
+  const int64_t N = codes.size(0), groups = K / G, row_bytes = bits == 8 ? K : K / 2;
+  const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
+  const S* scale_ptr = scales.data_ptr<S>();
+  const S* offset_ptr = offsets.data_ptr<S>();
+  T* out_ptr = out.data_ptr<T>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scale_buf(groups), offset_buf(groups), row(std::is_same_v<T, float> ? 0 : K);
+    for (int64_t n = begin; n < end; ++n) {
+      const float* s = as_float(scale_ptr + n * groups, scale_buf.data(), groups);
+      const float* o = as_float(offset_ptr + n * groups, offset_buf.data(), groups);
+      float* dst = std::is_same_v<T, float> ? reinterpret_cast<float*>(out_ptr + n * K) : row.data();
+      for (int64_t c = 0; c < K; c += kChunk) {
+        __m128i pieces[4];
+        const int count = load_pieces(code_ptr + n * row_bytes, c, K, static_cast<int>(bits), pieces);
+        for (int p = 0; p < count; ++p) {
+          const int64_t col = c + 16 * p;
+          const __m256 scale = _mm256_set1_ps(s[col / G]), offset = _mm256_set1_ps(o[col / G]);
+          __m256 low, high;
+          widen(pieces[p], low, high);
+          _mm256_storeu_ps(dst + col, _mm256_fmadd_ps(low, scale, offset));
+          _mm256_storeu_ps(dst + col + 8, _mm256_fmadd_ps(high, scale, offset));
+        }
+      }
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t k = 0; k < K; ++k) out_ptr[n * K + k] = static_cast<T>(row[k]);  // round to nearest even
+      }
+    }
+  });
+}
+
+at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
+                            int64_t group_size, at::ScalarType dtype) {
+  TORCH_CHECK(scales.dim() == 2, "scales must be [N, K / group_size]");
+  const int64_t K = scales.size(1) * group_size;
+  tokenmill_quant::check_row_weight(codes, scales, offsets, bits, group_size, K);
+  at::Tensor out = at::empty({codes.size(0), K}, scales.options().dtype(dtype));
+  const bool half = scales.scalar_type() == at::kHalf;
+  switch (dtype) {
+    case at::kFloat:
+      half ? dequantize_rows<c10::Half, float>(codes, scales, offsets, bits, group_size, K, out)
+           : dequantize_rows<float, float>(codes, scales, offsets, bits, group_size, K, out);
+      break;
+    case at::kBFloat16:
+      half ? dequantize_rows<c10::Half, c10::BFloat16>(codes, scales, offsets, bits, group_size, K, out)
+           : dequantize_rows<float, c10::BFloat16>(codes, scales, offsets, bits, group_size, K, out);
+      break;
+    case at::kHalf:
+      half ? dequantize_rows<c10::Half, c10::Half>(codes, scales, offsets, bits, group_size, K, out)
+           : dequantize_rows<float, c10::Half>(codes, scales, offsets, bits, group_size, K, out);
+      break;
+    default: TORCH_CHECK(false, "quant_dequantize: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size) -> Tensor");
+  m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, ScalarType dtype) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("quant_gemv", quant_gemv);
+  m.impl("quant_dequantize", quant_dequantize);
+}
