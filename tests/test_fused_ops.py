@@ -10,11 +10,12 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers import activation, norm, rotary
 from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
 from tokenmill.layers.cpu_attention import CpuPagedAttention
-from tokenmill.layers.cpu_kernels import kernels_available
+from tokenmill.layers.cpu_kernels import fused_ops_available, kernels_available
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
-pytestmark = pytest.mark.skipif(not kernels_available(), reason="the CPU kernels need AVX-512")
+pytestmark = pytest.mark.skipif(not fused_ops_available(), reason="the fused ops need AVX-512 or AVX2")
+needs_avx512 = pytest.mark.skipif(not kernels_available(), reason="the kernel needs AVX-512")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # one rounding of the result, against PyTorch's op-by-op rounding
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -80,6 +81,7 @@ def test_silu_and_mul(dtype, monkeypatch):
     torch.testing.assert_close(fused, activation.silu_and_mul(x), rtol=tol, atol=tol)
 
 
+@needs_avx512
 @pytest.mark.parametrize("cols", [1, 15, 16, 17, 1000, 49152])
 def test_argmax_rows_is_torchs_argmax_ties_and_nans_included(cols):
     gen = torch.Generator().manual_seed(cols)
@@ -96,6 +98,7 @@ def test_argmax_rows_is_torchs_argmax_ties_and_nans_included(cols):
     assert torch.equal(torch.ops.tokenmill.argmax_rows(strided), strided.argmax(dim=-1))
 
 
+@needs_avx512  # the decode kernel reads what write_kv wrote
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kv_write_matches_the_pytorch_backend_through_decode(dtype):
     """Keys written by write_kv (column layout) and read by the kernel give PyTorch's attention."""

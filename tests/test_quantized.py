@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from tokenmill.layers import quantized
-from tokenmill.layers.cpu_kernels import kernels_available, quant_gemm_available, quant_gemv_available, quant_gemv_q8_available
+from tokenmill.layers.cpu_kernels import (
+    kernels_available, quant_gemm_available, quant_gemv_available, quant_gemv_i8_available, quant_gemv_q8_available,
+)
 from tokenmill.layers.quantized import (
     InterleavedWeight, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, concat_rows, interleave_weights,
     pack_nibbles, quantize_rtn, quantized_matmul, unpack_nibbles,
@@ -17,6 +19,7 @@ from tokenmill.models.gguf_quants import QUANTIZED_TYPES, repack
 
 needs_kernel = pytest.mark.skipif(not quant_gemv_available(), reason="the quantized kernel needs AVX-512 or AVX2")
 needs_q8_kernel = pytest.mark.skipif(not quant_gemv_q8_available(), reason="8-bit activations need AVX-512 VNNI")
+needs_i8_kernel = pytest.mark.skipif(not quant_gemv_i8_available(), reason="quant_gemv_i8 is the AVX2 build's")
 
 
 def gemm_backends() -> list[int]:
@@ -188,6 +191,52 @@ def test_which_kernel_a_layer_takes(monkeypatch):
     assert torch.equal(quantized_matmul(x16, w, None), float_kernel)
     monkeypatch.setattr(quantized, "_q8_kernel_available", lambda: False)  # a CPU without VNNI
     assert torch.equal(quantized_matmul(x16, w), float_kernel)
+
+
+@needs_i8_kernel
+@pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 64), (4, 128)]))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("two_parts", [False, True], ids=["8-bit", "two 8-bit parts"])
+def test_i8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype, two_parts):
+    q = random_weight(45, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    want = x.double() @ reference_weight(q).T
+    got = torch.ops.tokenmill.quant_gemv_i8(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, two_parts)
+    assert got.dtype == dtype and got.shape == (rows, 45)
+    # the second part is in 256ths of a step, clamped to +-127 of them: at most 1/128 of the first's error
+    rounding = activation_rounding_bound(x, q) / (128 if two_parts else 1)
+    bound = rounding + 1e-5 * (x.double().abs() @ reference_weight(q).abs().T)
+    if dtype == torch.bfloat16:
+        bound += want.abs() * 2**-8  # the result's own rounding
+    error = (got.double() - want).abs()
+    assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
+    assert error.max() > 0  # the activations really were rounded: this is not the float32 kernel
+
+
+@needs_i8_kernel
+def test_i8_kernel_refuses_groups_of_16():
+    q = random_weight(32, 64, 8, 16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.tokenmill.quant_gemv_i8(torch.randn(1, 64), q.codes, q.scales, q.offsets, 8, 16, True)
+
+
+@needs_i8_kernel
+def test_which_kernel_a_layer_takes_on_avx2(monkeypatch):
+    """Row layout on AVX2: quant_gemv_i8 with two 8-bit parts by default, one where a layer asks for
+    8 bits, and the float kernel for None or groups of 16 columns (Q6_K)."""
+    q, q16 = random_weight(64, 576, 4, 32), random_weight(64, 576, 8, 16)
+    x = torch.randn(2, 576)
+    i8 = torch.ops.tokenmill.quant_gemv_i8
+    assert torch.equal(quantized_matmul(x, q), i8(x, q.codes, q.scales, q.offsets, 4, 32, True))
+    assert torch.equal(quantized_matmul(x, q, 8), i8(x, q.codes, q.scales, q.offsets, 4, 32, False))
+    exact = torch.ops.tokenmill.quant_gemv(x, q.codes, q.scales, q.offsets, 4, 32)
+    assert torch.equal(quantized_matmul(x, q, None), exact)
+    layer = QuantizedLinear(q)
+    assert torch.equal(layer(x), i8(x, q.codes, q.scales, q.offsets, 4, 32, True))
+    layer.activation_bits = None
+    assert torch.equal(layer(x), exact)
+    assert torch.equal(quantized_matmul(x, q16), torch.ops.tokenmill.quant_gemv(x, q16.codes, q16.scales, q16.offsets, 8, 16))
 
 
 def gemm(x: torch.Tensor, q: QuantizedWeight, backend: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.cpu_kernels import kernels_available
+from tokenmill.layers.cpu_kernels import fused_ops_available
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -16,4 +16,4 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_fused_available = kernels_available  # a name of this module's own, for tests to switch off
+_fused_available = fused_ops_available  # a name of this module's own, for tests to switch off

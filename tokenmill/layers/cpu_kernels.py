@@ -8,9 +8,10 @@ AVX-512 BF16 (quant_gemm.cpp), and the small fused steps of every layer
 The build takes ~15 s once and is cached by torch.utils.cpp_extension under
 ~/.cache/torch_extensions, keyed by this CPU's feature flags and the sources
 (builds use -march=native). All of that needs AVX-512. CPUs with AVX2 and FMA but no AVX-512 get
-a smaller extension instead, quant_gemv_avx2.cpp: the same quant_gemv and quant_dequantize ops, so
-that their decode steps read the quantized weights as they are (everything else takes the PyTorch
-path there). Where no build is available, or with TOKENMILL_CPU_KERNELS=0, callers use their
+a smaller extension instead: quant_gemv_avx2.cpp (the same quant_gemv and quant_dequantize ops, so
+that their decode steps read the quantized weights as they are) and fused_ops.cpp built for AVX2
+(all of its ops but argmax_rows and apply_token_bitmask_); attention and the rest take the
+PyTorch path there. Where no build is available, or with TOKENMILL_CPU_KERNELS=0, callers use their
 PyTorch paths.
 """
 
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "quant_gemm.cpp", "fused_ops.cpp")]
-AVX2_SOURCES = [CSRC / "quant_gemv_avx2.cpp"]  # built only where SOURCES cannot be
+AVX2_SOURCES = [CSRC / name for name in ("quant_gemv_avx2.cpp", "fused_ops.cpp")]  # where SOURCES cannot be
 HEADERS = [CSRC / "vec_math.h", CSRC / "quant_layout.h"]  # in the build fingerprint too
 AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
@@ -87,6 +88,18 @@ def quant_gemv_available() -> bool:
     """Whether quant_gemv and quant_dequantize are registered: with the AVX-512 kernels, or on
     an AVX2 CPU by their own build."""
     return kernels_enabled() and (load_cpu_kernels() or load_avx2_kernels())
+
+
+@functools.cache
+def fused_ops_available() -> bool:
+    """Whether fused_ops.cpp's RMSNorm, rotary, SiLU-and-multiply and KV write are registered."""
+    return quant_gemv_available()
+
+
+@functools.cache
+def quant_gemv_i8_available() -> bool:
+    """quant_gemv_i8 (8- or 16-bit activations over the row layout) is the AVX2 build's."""
+    return kernels_enabled() and load_avx2_kernels()
 
 
 @functools.cache

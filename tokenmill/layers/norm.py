@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.layers.cpu_kernels import kernels_available
+from tokenmill.layers.cpu_kernels import fused_ops_available
 
 
 class RMSNorm(nn.Module):
@@ -34,4 +34,4 @@ class RMSNorm(nn.Module):
         return torch.mul(x, inv_rms).mul_(self.weight).to(x.dtype)
 
 
-_fused_available = kernels_available  # a name of this module's own, for tests to switch off
+_fused_available = fused_ops_available  # a name of this module's own, for tests to switch off

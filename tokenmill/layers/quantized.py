@@ -37,7 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.activation import silu_and_mul
-from tokenmill.layers.cpu_kernels import quant_gemm_available, quant_gemv_available, quant_gemv_q8_available
+from tokenmill.layers.cpu_kernels import (
+    quant_gemm_available, quant_gemv_available, quant_gemv_i8_available, quant_gemv_q8_available,
+)
 
 CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
 GEMV_MAX_ROWS = 8  # at most this many rows go through the matrix-vector kernel
@@ -281,6 +283,9 @@ def _kernel_matmul(x: torch.Tensor, q: AnyQuantizedWeight, activation_bits: int 
             q = q.to_rows()  # slow: a layer asked for float32 activations after load
         else:
             return _vnni_matmul(x, q, activation_bits == 16)
+    elif activation_bits is not None and q.group_size % 32 == 0 and _i8_kernel_available():
+        return torch.ops.tokenmill.quant_gemv_i8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
+                                                         activation_bits == 16)
     return torch.ops.tokenmill.quant_gemv.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
 
 
@@ -296,6 +301,7 @@ def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight) -> torch.Tensor:
 # names of this module's own, for tests to switch the kernels off
 _kernel_available = quant_gemv_available
 _q8_kernel_available = quant_gemv_q8_available
+_i8_kernel_available = quant_gemv_i8_available
 _gemm_kernel_available = quant_gemm_available
 
 

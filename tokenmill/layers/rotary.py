@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.layers.cpu_kernels import kernels_available
+from tokenmill.layers.cpu_kernels import fused_ops_available
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -117,4 +117,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
-_fused_available = kernels_available  # a name of this module's own, for tests to switch off
+_fused_available = fused_ops_available  # a name of this module's own, for tests to switch off

@@ -53,8 +53,7 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
 template <typename T, typename W>
 void norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const W* w, T* y, int64_t rows,
                int64_t hidden, double eps) {
-  using tokenmill_vec::load;
-  using tokenmill_vec::store;
+  using namespace tokenmill_vec;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* xt = x + t * x_stride;
@@ -63,27 +62,28 @@ void norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride, co
         T* rt = residual + t * res_stride;
         for (int64_t i = 0; i < hidden; i += 16) {
           const int64_t n = std::min<int64_t>(16, hidden - i);
-          store(rt + i, _mm512_add_ps(load(rt + i, n), load(xt + i, n)), n);
+          store(rt + i, add(load(rt + i, n), load(xt + i, n)), n);
         }
         r = rt;
       }
-      __m512 squares = _mm512_setzero_ps();
+      Vec16 squares = zero();
       for (int64_t i = 0; i < hidden; i += 16) {
-        const __m512 v = load(r + i, std::min<int64_t>(16, hidden - i));
-        squares = _mm512_fmadd_ps(v, v, squares);
+        const Vec16 v = load(r + i, std::min<int64_t>(16, hidden - i));
+        squares = fmadd(v, v, squares);
       }
       const float inv_rms =
-          1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(hidden) + static_cast<float>(eps));
-      const __m512 scale = _mm512_set1_ps(inv_rms);
+          1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(hidden) + static_cast<float>(eps));
+      const Vec16 scale = set1(inv_rms);
       T* yt = y + t * hidden;
       for (int64_t i = 0; i < hidden; i += 16) {
         const int64_t n = std::min<int64_t>(16, hidden - i);
-        store(yt + i, _mm512_mul_ps(_mm512_mul_ps(load(r + i, n), scale), load(w + i, n)), n);
+        store(yt + i, mul(mul(load(r + i, n), scale), load(w + i, n)), n);
       }
     }
   });
 }
 
+#ifdef __AVX512F__  // (the AVX2 build has no argmax_rows or apply_token_bitmask_)
 // Index of each row's largest value (the first of equals; NaN counts as largest, as torch.argmax).
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
@@ -165,6 +165,8 @@ void apply_token_bitmask_(const at::Tensor& x, const at::Tensor& rows, const at:
   });
 }
 
+#endif
+
 at::Tensor norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& w, double eps) {
   at::Tensor y = at::empty(x.sizes(), x.options());
   for_dtype(x, "rms_norm", [&](auto xt) {
@@ -234,14 +236,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const S* in = x.data_ptr<S>();
     S* o = out.data_ptr<S>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-      const __m512 one = _mm512_set1_ps(1.0f);
+      using namespace tokenmill_vec;
+      const Vec16 one = set1(1.0f);
       for (int64_t t = begin; t < end; ++t) {
         const S* gate = in + t * x.stride(0);
         for (int64_t i = 0; i < I; i += 16) {
           const int64_t n = std::min<int64_t>(16, I - i);
-          const __m512 g = tokenmill_vec::load(gate + i, n);
-          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, tokenmill_vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          tokenmill_vec::store(o + t * I + i, _mm512_mul_ps(silu, tokenmill_vec::load(gate + I + i, n)), n);
+          const Vec16 g = load(gate + i, n);
+          const Vec16 silu = div(g, add(one, exp(sub(zero(), g))));
+          store(o + t * I + i, mul(silu, load(gate + I + i, n)), n);
         }
       }
     });
@@ -306,8 +309,10 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+#ifdef __AVX512F__
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("apply_token_bitmask_(Tensor(a!) x, Tensor rows, Tensor bitmask) -> ()");
+#endif
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
@@ -316,7 +321,9 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("add_rms_norm_", add_rms_norm_);
   m.impl("rotary_", rotary_);
   m.impl("silu_and_mul", silu_and_mul);
+#ifdef __AVX512F__
   m.impl("argmax_rows", argmax_rows);
   m.impl("apply_token_bitmask_", apply_token_bitmask_);
+#endif
   m.impl("write_kv", write_kv);
 }

@@ -1,12 +1,21 @@
 // quant_gemv and quant_dequantize (the ops of quant_gemv.cpp, same layout, same schemas) for x86 CPUs
-// with AVX2 and FMA but no AVX-512: the only kernels built there (cpu_kernels.py).
+// with AVX2 and FMA but no AVX-512: the only kernels built there (cpu_kernels.py), with
+// quant_gemv_i8, their faster few-row product for groups of a multiple of 32 columns.
 //
 // Weight n, column k, in group g = k / G:   w = scales[n, g] * u + offsets[n, g]
 // so a row's product with x splits per group into   scales[n, g] * (u . x)_g + offsets[n, g] * sum(x)_g.
-// The group sums of x are computed once per call; the inner loop then converts 8 codes to float and
-// multiply-adds them into the group's dot product (two vector ops per 8 weights, not three), and the
-// group's scale is applied once per group. float32 activations stay float32: the dequantized weight's
-// product up to float32 rounding.
+// The group sums of x are computed once per call, in float32.
+//
+// quant_gemv keeps x in float32: the inner loop converts 8 codes to float and multiply-adds them
+// into the group's dot product, and the group's scale is applied once per group: the dequantized
+// weight's product up to float32 rounding.
+//
+// quant_gemv_i8(x, codes, scales, offsets, bits, G, two_parts) rounds x per row and group of the
+// weight's to 8-bit integers q1 with a scale sx = max|x| / 127 (as llama.cpp does) and, with
+// two_parts, the remainder to q2 with scale sx / 256 (x to ~16 bits: ~exact), so that u . x is
+// integer multiply-adds of 32 byte pairs at a time (vpmaddubsw, then vpmaddwd into int32):
+// ~3x fewer instructions per weight than the float loop. 8-bit codes go in as signed u - 128
+// (their sign moved onto x, so that no pair sum overflows int16), the offsets as o + 128 s.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +27,7 @@
 #include "quant_layout.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -26,6 +36,7 @@ namespace {
 
 constexpr int64_t kChunk = 64;   // columns per packed 4-bit chunk
 constexpr int64_t kMaxRows = 4;  // activation rows sharing one pass over the weights (16 ymm registers)
+constexpr int64_t kAhead = 4;    // rows of codes prefetched ahead by quant_gemv_i8
 
 // The codes of the chunk starting at column c of a row, 16 per vector (one per byte): four vectors
 // for a full chunk, two for a final 32-column one (see the layout at the top of quant_gemv.cpp);
@@ -169,6 +180,220 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// ---- quant_gemv_i8 --------------------------------------------------------------------------
+
+// x rounded per row and group: q1 (and q2) int8 [M, K], their scale per group, and exact group sums.
+struct QuantizedActivations {
+  std::vector<int8_t> q1, q2;
+  std::vector<float> scale, sums;  // [M, groups]
+};
+
+QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, int64_t G, bool two_parts) {
+  const int64_t groups = K / G;
+  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_parts ? M * K : 0),
+                         std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  for (int64_t i = 0; i < M * groups; ++i) {
+    const float* xg = x + i * G;
+    float amax = 0.0f, sum = 0.0f;
+    for (int64_t k = 0; k < G; ++k) {
+      amax = std::max(amax, std::fabs(xg[k]));
+      sum += xg[k];
+    }
+    const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t k = 0; k < G; ++k) {
+      const float q = std::nearbyint(xg[k] * inverse);
+      a.q1[i * G + k] = static_cast<int8_t>(q);
+      if (two_parts) {  // the remainder, |r| <= scale / 2, in steps of scale / 256
+        const float r = (xg[k] - q * scale) * inverse * 256.0f;
+        a.q2[i * G + k] = static_cast<int8_t>(std::clamp(std::nearbyint(r), -127.0f, 127.0f));
+      }
+    }
+    a.scale[i] = two_parts ? scale / 256.0f : scale;
+    a.sums[i] = sum;
+  }
+  return a;
+}
+
+// The 32 codes of columns [col, col + 32) (col a multiple of 32) as bytes.
+inline __m256i load_codes32(const uint8_t* row, int64_t col, int64_t K, int bits) {
+  if (bits == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + col));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int64_t chunk_start = col - col % kChunk;
+  if (chunk_start + kChunk <= K) {  // a full chunk: columns 0-31 low nibbles of its 32 bytes, 32-63 high
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + chunk_start / 2));
+    return _mm256_and_si256(col == chunk_start ? bytes : _mm256_srli_epi16(bytes, 4), nibble);
+  }
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + chunk_start / 2));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), nibble);  // a 32-column tail
+}
+
+// u . q over 32 columns as 8 int32 partial sums; 8-bit codes as signed u - 128 (sign moved onto q).
+inline __m256i dot32(__m256i codes, const int8_t* q, int bits) {
+  __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  if (bits == 8) {
+    const __m256i signed_codes = _mm256_xor_si256(codes, _mm256_set1_epi8(static_cast<char>(0x80)));
+    xq = _mm256_sign_epi8(xq, signed_codes);
+    codes = _mm256_abs_epi8(signed_codes);
+  }
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), _mm256_set1_epi16(1));
+}
+
+// u . q of one group of 32 columns for ROWS activation rows, scaled by the weight's and the rows'
+// group scales into acc.
+template <int ROWS, int BITS, bool TWO_PARTS>
+inline void group32(__m256i codes, const int8_t* q1, const int8_t* q2, int64_t K, float w_scale, const float* sx,
+                    int64_t groups, __m256* acc) {
+  for (int r = 0; r < ROWS; ++r) {
+    __m256i d = dot32(codes, q1 + r * K, BITS);
+    if constexpr (TWO_PARTS) d = _mm256_add_epi32(_mm256_slli_epi32(d, 8), dot32(codes, q2 + r * K, BITS));
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(w_scale * sx[r * groups]), acc[r]);
+  }
+}
+
+// gemv_i8_rows for groups of 32 columns (most GGUF types, and ours): a 4-bit chunk of 64 columns is
+// exactly two groups, one in the low nibbles of its 32 bytes and one in the high ones, so the loop
+// has no layout arithmetic.
+template <int ROWS, int BITS, bool TWO_PARTS, typename S>
+void gemv_i8_rows_g32(const QuantizedActivations& a, int64_t row0, const uint8_t* codes, const S* scales,
+                      const S* offsets, int64_t n_begin, int64_t n_end, int64_t K, float* out, int64_t out_stride) {
+  const int64_t row_bytes = BITS == 8 ? K : K / 2, groups = K / 32, full = K - K % kChunk;
+  std::vector<float> scale_buf(groups), offset_buf(groups);
+  const int8_t* q1 = a.q1.data() + row0 * K;
+  const int8_t* q2 = TWO_PARTS ? a.q2.data() + row0 * K : nullptr;
+  const float* sx = a.scale.data() + row0 * groups;
+  const float* sums = a.sums.data() + row0 * groups;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* w = codes + n * row_bytes;
+    if (n + kAhead < n_end) {  // the row kAhead rows on, into L2: the weights come from DRAM
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * row_bytes + b), _MM_HINT_T1);
+    }
+    const float* s = as_float(scales + n * groups, scale_buf.data(), groups);
+    const float* o = as_float(offsets + n * groups, offset_buf.data(), groups);
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < full; c += kChunk) {
+      const int64_t g = c / 32;
+      __m256i first, second;
+      if constexpr (BITS == 8) {
+        first = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c));
+        second = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c + 32));
+      } else {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c / 2));
+        first = _mm256_and_si256(bytes, nibble);
+        second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      }
+      group32<ROWS, BITS, TWO_PARTS>(first, q1 + c, TWO_PARTS ? q2 + c : nullptr, K, s[g], sx + g, groups, acc);
+      group32<ROWS, BITS, TWO_PARTS>(second, q1 + c + 32, TWO_PARTS ? q2 + c + 32 : nullptr, K, s[g + 1], sx + g + 1,
+                                     groups, acc);
+    }
+    if (full < K) {  // a final 32-column chunk
+      group32<ROWS, BITS, TWO_PARTS>(load_codes32(w, full, K, BITS), q1 + full, TWO_PARTS ? q2 + full : nullptr, K,
+                                     s[groups - 1], sx + groups - 1, groups, acc);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      float offset_term = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) offset_term += (BITS == 8 ? o[g] + 128.0f * s[g] : o[g]) * sums[r * groups + g];
+      out[r * out_stride + n] = horizontal_sum(acc[r]) + offset_term;
+    }
+  }
+}
+
+template <int ROWS, int BITS, bool TWO_PARTS, typename S>
+void gemv_i8_rows(const QuantizedActivations& a, int64_t row0, const uint8_t* codes, const S* scales,
+                  const S* offsets, int64_t n_begin, int64_t n_end, int64_t K, int64_t G, float* out,
+                  int64_t out_stride) {
+  constexpr int bits = BITS;
+  constexpr bool two_parts = TWO_PARTS;
+  const int64_t row_bytes = bits == 8 ? K : K / 2, groups = K / G;
+  std::vector<float> scale_buf(groups), offset_buf(groups);
+  const int8_t* q1 = a.q1.data() + row0 * K;
+  const int8_t* q2 = two_parts ? a.q2.data() + row0 * K : nullptr;
+  const float* sx = a.scale.data() + row0 * groups;
+  const float* sums = a.sums.data() + row0 * groups;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* w = codes + n * row_bytes;
+    const float* s = as_float(scales + n * groups, scale_buf.data(), groups);
+    const float* o = as_float(offsets + n * groups, offset_buf.data(), groups);
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256i dot[ROWS];
+      for (int r = 0; r < ROWS; ++r) dot[r] = _mm256_setzero_si256();
+      for (int64_t col = g * G; col < (g + 1) * G; col += 32) {
+        const __m256i u = load_codes32(w, col, K, bits);
+        for (int r = 0; r < ROWS; ++r) {
+          __m256i d = dot32(u, q1 + r * K + col, bits);
+          if (two_parts) d = _mm256_add_epi32(_mm256_slli_epi32(d, 8), dot32(u, q2 + r * K + col, bits));
+          dot[r] = _mm256_add_epi32(dot[r], d);
+        }
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(s[g] * sx[r * groups + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      float offset_term = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) offset_term += (bits == 8 ? o[g] + 128.0f * s[g] : o[g]) * sums[r * groups + g];
+      out[r * out_stride + n] = horizontal_sum(acc[r]) + offset_term;
+    }
+  }
+}
+
+template <typename S>
+using GemvI8Fn = void (*)(const QuantizedActivations&, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t,
+                          int64_t, int64_t, float*, int64_t);
+template <int ROWS, int BITS, bool TWO_PARTS, typename S>
+void gemv_i8_any(const QuantizedActivations& a, int64_t row0, const uint8_t* codes, const S* scales, const S* offsets,
+                 int64_t n_begin, int64_t n_end, int64_t K, int64_t G, float* out, int64_t out_stride) {
+  if (G == 32) {
+    gemv_i8_rows_g32<ROWS, BITS, TWO_PARTS, S>(a, row0, codes, scales, offsets, n_begin, n_end, K, out, out_stride);
+  } else {
+    gemv_i8_rows<ROWS, BITS, TWO_PARTS, S>(a, row0, codes, scales, offsets, n_begin, n_end, K, G, out, out_stride);
+  }
+}
+template <int BITS, bool TWO_PARTS, typename S>
+constexpr GemvI8Fn<S> kGemvI8Rows[kMaxRows] = {gemv_i8_any<1, BITS, TWO_PARTS, S>, gemv_i8_any<2, BITS, TWO_PARTS, S>,
+                                               gemv_i8_any<3, BITS, TWO_PARTS, S>, gemv_i8_any<4, BITS, TWO_PARTS, S>};
+template <typename S>
+GemvI8Fn<S> gemv_i8_fn(int64_t rows, int64_t bits, bool two_parts) {
+  if (bits == 4) return two_parts ? kGemvI8Rows<4, true, S>[rows - 1] : kGemvI8Rows<4, false, S>[rows - 1];
+  return two_parts ? kGemvI8Rows<8, true, S>[rows - 1] : kGemvI8Rows<8, false, S>[rows - 1];
+}
+
+template <typename S>
+void run_i8(const QuantizedActivations& a, int64_t M, int64_t K, const at::Tensor& codes, const at::Tensor& scales,
+            const at::Tensor& offsets, int64_t bits, int64_t G, bool two_parts, float* out) {
+  const int64_t N = codes.size(0);
+  const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
+  const S* scale_ptr = scales.data_ptr<S>();
+  const S* offset_ptr = offsets.data_ptr<S>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const int64_t count = std::min(kMaxRows, M - m);
+      gemv_i8_fn<S>(count, bits, two_parts)(a, m, code_ptr, scale_ptr, offset_ptr, begin, end, K, G, out + m * N, N);
+    }
+  });
+}
+
+at::Tensor quant_gemv_i8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& offsets, int64_t bits, int64_t group_size, bool two_parts) {
+  tokenmill_quant::check_arguments(x, codes, scales, offsets, bits, group_size);
+  TORCH_CHECK(group_size % 32 == 0, "quant_gemv_i8: the group size must be a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  const QuantizedActivations a = quantize_activations(x32.data_ptr<float>(), M, K, group_size, two_parts);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (scales.scalar_type() == at::kHalf) {
+    run_i8<c10::Half>(a, M, K, codes, scales, offsets, bits, group_size, two_parts, out.data_ptr<float>());
+  } else {
+    run_i8<float>(a, M, K, codes, scales, offsets, bits, group_size, two_parts, out.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// ---- quant_dequantize -------------------------------------------------------------------------
+
 // The whole weight [N, K] in `dtype`: w = s * u + o in float32, rounded once to T.
 template <typename S, typename T>
 void dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
@@ -234,9 +459,12 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size) -> Tensor");
   m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, ScalarType dtype) "
         "-> Tensor");
+  m.def("quant_gemv_i8(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, "
+        "bool two_parts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("quant_gemv", quant_gemv);
   m.impl("quant_dequantize", quant_dequantize);
+  m.impl("quant_gemv_i8", quant_gemv_i8);
 }
