@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.cpu_kernels import decode_attention_rows_available
+
 
 @dataclass(frozen=True)
 class CacheGeometry:
@@ -61,6 +63,8 @@ class DecodeBucket:
     # (kv head, sequence, query group, context position) [kv_heads * B * groups * L], and each bag's start
     value_index: torch.Tensor
     value_offsets: torch.Tensor  # [kv_heads * B * groups]
+    block_table: torch.Tensor  # [B, max_blocks] int64, and seq_lens [B]: for the CPU op (decode_attention_rows)
+    seq_lens: torch.Tensor
 
 
 @dataclass
@@ -231,6 +235,8 @@ class TorchPagedAttention:
             attn_mask=bias.repeat(num_kv_heads, 1).unsqueeze(1).to(device),
             value_index=value_index.to(device),
             value_offsets=(torch.arange(num_kv_heads * batch * groups) * context_len).to(device),
+            block_table=step.block_table[members, :num_blocks].contiguous().to(device),
+            seq_lens=seq_lens.to(device),
         )
 
     # ---- every layer -------------------------------------------------------------------------
@@ -293,6 +299,9 @@ class TorchPagedAttention:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
                 scale: float) -> torch.Tensor:
         """q: [B, num_heads, head_dim], one query per sequence -> [B, num_heads * head_dim]."""
+        if q.device.type == "cpu" and _rows_kernel_available():  # one op (csrc/decode_attention_rows.cpp)
+            return torch.ops.tokenmill.decode_attention_rows.default(q, k_cache, v_cache, bucket.block_table,
+                                                                      bucket.seq_lens, scale)
         num_kv_heads, _, _, head_dim = k_cache.shape
         batch, groups = q.shape[0], q.shape[1] // num_kv_heads
         queries = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
@@ -323,6 +332,9 @@ class TorchPagedAttention:
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.attn_mask, scale=scale)
         attn = attn.view(num_kv_heads, batch, max_q, groups, head_dim).permute(1, 2, 0, 3, 4)
         return attn.reshape(batch, max_q, num_heads * head_dim)[bucket.valid]
+
+
+_rows_kernel_available = decode_attention_rows_available  # a name of this module's own, for tests to switch off
 
 
 @dataclass

@@ -10,8 +10,8 @@ The build takes ~15 s once and is cached by torch.utils.cpp_extension under
 (builds use -march=native). All of that needs AVX-512. CPUs with AVX2 and FMA but no AVX-512 get
 a smaller extension instead: quant_gemv_avx2.cpp (the same quant_gemv and quant_dequantize ops, so
 that their decode steps read the quantized weights as they are) and fused_ops.cpp built for AVX2
-(all of its ops but argmax_rows and apply_token_bitmask_); attention and the rest take the
-PyTorch path there. Where no build is available, or with TOKENMILL_CPU_KERNELS=0, callers use their
+(all of its ops but argmax_rows and apply_token_bitmask_), and decode_attention_rows.cpp, the
+PyTorch attention backend's decode steps in one op; the rest takes the PyTorch path there. Where no build is available, or with TOKENMILL_CPU_KERNELS=0, callers use their
 PyTorch paths.
 """
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "quant_gemm.cpp", "fused_ops.cpp")]
-AVX2_SOURCES = [CSRC / name for name in ("quant_gemv_avx2.cpp", "fused_ops.cpp")]  # where SOURCES cannot be
+AVX2_SOURCES = [CSRC / name for name in ("quant_gemv_avx2.cpp", "fused_ops.cpp", "decode_attention_rows.cpp")]
 HEADERS = [CSRC / "vec_math.h", CSRC / "quant_layout.h"]  # in the build fingerprint too
 AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
@@ -99,6 +99,12 @@ def fused_ops_available() -> bool:
 @functools.cache
 def quant_gemv_i8_available() -> bool:
     """quant_gemv_i8 (8- or 16-bit activations over the row layout) is the AVX2 build's."""
+    return kernels_enabled() and load_avx2_kernels()
+
+
+@functools.cache
+def decode_attention_rows_available() -> bool:
+    """decode_attention_rows (over TorchPagedAttention's cache layout) is the AVX2 build's."""
     return kernels_enabled() and load_avx2_kernels()
 
 

@@ -268,8 +268,9 @@ def uses_gemm_kernel(x: torch.Tensor, qweight: AnyQuantizedWeight) -> bool:
 
 
 def quantized_matmul(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bits: int | None = 16) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] in x's dtype. activation_bits: what the VNNI kernel may round x to
-    (8 or 16) for an InterleavedWeight, None to keep it float32 (the row layout's float kernel)."""
+    """x [M, K] @ W.T -> [M, N] in x's dtype. activation_bits: what a few-row kernel may round x to
+    (8 or 16): the VNNI kernel for an InterleavedWeight, quant_gemv_i8 (AVX2 CPUs) for the row
+    layout; None keeps it float32 (the row layout's float kernel)."""
     if uses_kernel(x):
         return _kernel_matmul(x, qweight, activation_bits)
     if uses_gemm_kernel(x, qweight):
@@ -314,7 +315,7 @@ class QuantizedLinear(nn.Module):
         self.bias = bias
         self.out_features, self.in_features = qweight.shape
         self.batched: nn.Module | None = None  # the dense module for many rows, where one was made
-        self.activation_bits: int | None = 16  # what the kernel may round bf16/fp16 inputs to (None: float32)
+        self.activation_bits: int | None = 16  # what a few-row kernel may round inputs to (None: float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if uses_kernel(x):

@@ -1,0 +1,58 @@
+"""csrc/decode_attention_rows.cpp (the AVX2 build's decode attention over the PyTorch backend's
+cache rows) against TorchPagedAttention's own PyTorch decode path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.layers import attention
+from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
+from tokenmill.layers.cpu_kernels import decode_attention_rows_available
+
+pytestmark = pytest.mark.skipif(not decode_attention_rows_available(), reason="the AVX2 build's op")
+
+
+def _decode_step(dtype: torch.dtype, groups: int, head_dim: int, use_kernel: bool, monkeypatch) -> torch.Tensor:
+    """A prefill of three sequences (different lengths, scattered blocks), then one decode step's output."""
+    monkeypatch.setattr(attention, "_rows_kernel_available", lambda: use_kernel)
+    kv_heads, block_size, num_blocks = 2, 16, 12
+    geometry = CacheGeometry(block_size, num_blocks, kv_heads, groups, head_dim, dtype, torch.device("cpu"))
+    backend = TorchPagedAttention()
+    caches = (torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype),
+              torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype))
+    gen = torch.Generator().manual_seed(0)
+    tables, prompt_lens = [[3, 7, 1], [0, 11], [5]], [40, 16, 9]
+    out = None
+    for query_lens, context_lens in [(prompt_lens, [0, 0, 0]), ([1, 1, 1], prompt_lens)]:
+        tokens = sum(query_lens)
+        q = torch.randn(tokens, kv_heads * groups, head_dim, generator=gen).to(dtype)
+        k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
+        metadata = backend.build_metadata(query_lens, context_lens, tables, geometry)
+        out = backend.forward(q, k, v, *caches, metadata, head_dim**-0.5)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups,head_dim", [(1, 64), (3, 64), (8, 32), (2, 80)])
+def test_kernel_decode_equals_the_pytorch_path(dtype, groups, head_dim, monkeypatch):
+    got = _decode_step(dtype, groups, head_dim, True, monkeypatch)
+    want = _decode_step(dtype, groups, head_dim, False, monkeypatch)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_kernel_takes_strided_query_rows():
+    q = torch.randn(2, 6, 32)[:, :4]  # [B, 4 heads, D]: rows of a wider tensor, as a fused qkv gives
+    cache = torch.randn(2, 4, 16, 32)
+    table, lens = torch.tensor([[1, 2], [3, 0]]), torch.tensor([20, 5])
+    got = torch.ops.tokenmill.decode_attention_rows(q, cache, cache, table, lens, 0.2)
+    want = torch.ops.tokenmill.decode_attention_rows(q.contiguous(), cache, cache, table, lens, 0.2)
+    assert torch.equal(got, want)
+
+
+def test_kernel_refuses_a_block_past_the_cache():
+    q, cache = torch.randn(1, 2, 32), torch.zeros(1, 4, 16, 32)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.tokenmill.decode_attention_rows(q, cache, cache, torch.tensor([[4]]), torch.tensor([3]), 1.0)
