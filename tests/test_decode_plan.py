@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.layers.cpu_kernels import kernels_available
-from tokenmill.layers.quantized import InterleavedWeight, QuantizedLinear
+from tokenmill.layers.cpu_attention import default_attention_backend
+from tokenmill.layers.quantized import QuantizedLinear
 from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.loader import load_model
 from tokenmill.worker.forward_input import ForwardInput
 from tokenmill.worker.model_runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(not kernels_available(), reason="the decode plan runs on the CPU kernels")
+pytestmark = pytest.mark.skipif(
+    not DecodePlan.applies(default_attention_backend(torch.device("cpu"), torch.bfloat16, 64, 1)),
+    reason="the decode plan runs on the CPU kernels (AVX-512, or the AVX2 build)")
 
 PROMPTS = [[5, 9, 200, 31, 7], [1000, 4, 4, 17, 300, 12, 9, 8, 2000], [42] * 20]
 
@@ -28,9 +30,9 @@ def _runner(model_dir, quantization: str | None) -> ModelRunner:
 def test_plan_equals_the_models_forward(tiny_model_dirs, arch, quantization, monkeypatch):
     runner = _runner(tiny_model_dirs[arch], quantization)
     assert runner.decode_plan is not None
-    if quantization == "int4":  # the interleaved kernel layout, bound as bare calls
+    if quantization == "int4":  # bound as bare kernel calls: VNNI's interleaved layout, or quant_gemv_i8 (AVX2)
         layer = runner.model.layers[0].mlp.down_proj
-        assert isinstance(layer, QuantizedLinear) and isinstance(layer.qweight, InterleavedWeight)
+        assert isinstance(layer, QuantizedLinear) and layer.few_row_kernel() is not None
     calls = []
     plan_forward = DecodePlan.forward
     monkeypatch.setattr(DecodePlan, "forward", lambda self, *a: calls.append(1) or plan_forward(self, *a))

@@ -285,9 +285,12 @@ def _kernel_matmul(x: torch.Tensor, q: AnyQuantizedWeight, activation_bits: int 
         else:
             return _vnni_matmul(x, q, activation_bits == 16)
     elif activation_bits is not None and q.group_size % 32 == 0 and _i8_kernel_available():
-        return torch.ops.tokenmill.quant_gemv_i8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
-                                                         activation_bits == 16)
+        return _i8_matmul(x, q, activation_bits == 16)
     return torch.ops.tokenmill.quant_gemv.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size)
+
+
+def _i8_matmul(x: torch.Tensor, q: QuantizedWeight, two_parts: bool) -> torch.Tensor:
+    return torch.ops.tokenmill.quant_gemv_i8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, two_parts)
 
 
 def _vnni_matmul(x: torch.Tensor, q: InterleavedWeight, two_parts: bool) -> torch.Tensor:
@@ -329,15 +332,21 @@ class QuantizedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def few_row_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """self(x) for x of at most GEMV_MAX_ROWS rows as one bound VNNI kernel call (the decode
-        plan's), where the layer runs that kernel; None where it does not."""
-        w = self.qweight
-        if not (isinstance(w, InterleavedWeight) and self.activation_bits is not None and _q8_kernel_available()):
+        """self(x) for x of at most GEMV_MAX_ROWS rows as one bound kernel call (the decode plan's),
+        where the layer runs the VNNI kernel or quant_gemv_i8; None where it runs neither."""
+        w, bits, bias = self.qweight, self.activation_bits, self.bias
+        if bits is None:
             return None
-        two_parts, bias = self.activation_bits == 16, self.bias
+        if isinstance(w, InterleavedWeight) and _q8_kernel_available():
+            call = _vnni_matmul
+        elif isinstance(w, QuantizedWeight) and w.group_size % 32 == 0 and _i8_kernel_available():
+            call = _i8_matmul
+        else:
+            return None
+        two_parts = bits == 16
         if bias is None:
-            return lambda x: _vnni_matmul(x, w, two_parts)
-        return lambda x: _vnni_matmul(x, w, two_parts) + bias
+            return lambda x: call(x, w, two_parts)
+        return lambda x: call(x, w, two_parts) + bias
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """As a fused [gate; up] projection: silu(gate) * up, inside the GEMMs when `batched` can."""

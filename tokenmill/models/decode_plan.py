@@ -6,9 +6,10 @@ views. On the default model that was ~1.6 ms of a ~6 ms forward (one stream). A 
 makes those choices once, when it is built, and keeps per layer only what the calls need: the
 CPU's stand-in for capturing a step in a CUDA graph. It computes what DecoderForCausalLM.forward
 computes, with the same kernels in the same order (tests compare the two bit for bit), for CPU
-decode steps of at most GEMV_MAX_ROWS sequences on our kernels; every other step takes the
-model's forward. Linears other than interleaved quantized ones (dense, tensor-parallel) are
-called as the modules they are.
+decode steps of at most GEMV_MAX_ROWS sequences on our kernels: the AVX-512 set with its paged
+attention, or the AVX2 build's fused ops with the PyTorch backend (whose decode is one op there);
+every other step takes the model's forward. Linears whose layer has no bare few-row kernel
+(dense, tensor-parallel) are called as the modules they are.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.layers.attention import AttentionContext
+from tokenmill.layers.attention import AttentionContext, DecodeBucket, TorchPagedAttention
 from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket, fused_decode_attention
-from tokenmill.layers.cpu_kernels import kernels_available
+from tokenmill.layers.cpu_kernels import decode_attention_rows_available, fused_ops_available, kernels_available
 from tokenmill.layers.linear import silu_and_mul
 from tokenmill.layers.quantized import GEMV_MAX_ROWS, QuantizedLinear
 from tokenmill.models.llama import DecoderForCausalLM
@@ -75,15 +76,19 @@ class DecodePlan:
 
     @staticmethod
     def applies(backend: object) -> bool:
-        """Whether a plan can run decode steps with this attention backend: the CPU kernels' own."""
-        return kernels_available() and isinstance(backend, CpuPagedAttention)
+        """Whether a plan can run decode steps with this attention backend: the AVX-512 kernels' own,
+        or on the AVX2 build the PyTorch one."""
+        if isinstance(backend, CpuPagedAttention):
+            return kernels_available()
+        return isinstance(backend, TorchPagedAttention) and fused_ops_available() and decode_attention_rows_available()
 
     @staticmethod
     def covers(input_ids: torch.Tensor, ctx: AttentionContext) -> bool:
         """Whether this step is one the plan runs: decode only, at most GEMV_MAX_ROWS sequences."""
         metadata = ctx.metadata
-        return (metadata.prefill is None and not metadata.fresh_prefills
-                and isinstance(metadata.decode, KernelDecodeBucket) and input_ids.shape[0] <= GEMV_MAX_ROWS)
+        decode = metadata.decode
+        whole = isinstance(decode, KernelDecodeBucket) or (isinstance(decode, DecodeBucket) and decode.covers_batch)
+        return metadata.prefill is None and not metadata.fresh_prefills and whole and input_ids.shape[0] <= GEMV_MAX_ROWS
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden], as model(input_ids, positions, ctx)."""
@@ -95,7 +100,8 @@ class DecodePlan:
         x = self.model.embed_tokens(input_ids)
         num_tokens = x.shape[0]
         rope = self.model.rotary.step(positions, x.dtype)
-        fused_attention = rope.tables is None  # rotary by our kernel: it can run inside the attention op
+        # rotary by our kernel, and the paged kernel's backend: it can run inside the attention op
+        fused_attention = rope.tables is None and isinstance(backend, CpuPagedAttention)
         residual = None
         for layer in self.layers:
             if residual is None:

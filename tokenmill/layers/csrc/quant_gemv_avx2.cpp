@@ -78,7 +78,7 @@ inline __attribute__((always_inline)) const float* as_float(const c10::Half* src
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   }
-  for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  for (; i < n; ++i) buf[i] = _cvtsh_ss(src[i].x);  // F16C (c10::Half's own conversion is bit arithmetic)
   return buf;
 }
 
@@ -86,6 +86,16 @@ inline float horizontal_sum(__m256 v) {
   const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 two = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// sum over g < n of a[g] * b[g] (a row's offsets times the group sums of x).
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float total = horizontal_sum(acc);
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
 }
 
 // Output rows [n_begin, n_end) for ROWS activation rows; x_sums[r * groups + g] = sum of x row r over group g.
@@ -257,7 +267,7 @@ template <int ROWS, int BITS, bool TWO_PARTS, typename S>
 void gemv_i8_rows_g32(const QuantizedActivations& a, int64_t row0, const uint8_t* codes, const S* scales,
                       const S* offsets, int64_t n_begin, int64_t n_end, int64_t K, float* out, int64_t out_stride) {
   const int64_t row_bytes = BITS == 8 ? K : K / 2, groups = K / 32, full = K - K % kChunk;
-  std::vector<float> scale_buf(groups), offset_buf(groups);
+  std::vector<float> scale_buf(groups), offset_buf(groups), shifted(BITS == 8 ? groups : 0);
   const int8_t* q1 = a.q1.data() + row0 * K;
   const int8_t* q2 = TWO_PARTS ? a.q2.data() + row0 * K : nullptr;
   const float* sx = a.scale.data() + row0 * groups;
@@ -291,11 +301,12 @@ void gemv_i8_rows_g32(const QuantizedActivations& a, int64_t row0, const uint8_t
       group32<ROWS, BITS, TWO_PARTS>(load_codes32(w, full, K, BITS), q1 + full, TWO_PARTS ? q2 + full : nullptr, K,
                                      s[groups - 1], sx + groups - 1, groups, acc);
     }
-    for (int r = 0; r < ROWS; ++r) {
-      float offset_term = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) offset_term += (BITS == 8 ? o[g] + 128.0f * s[g] : o[g]) * sums[r * groups + g];
-      out[r * out_stride + n] = horizontal_sum(acc[r]) + offset_term;
+    const float* offset = o;
+    if constexpr (BITS == 8) {  // the codes went in as u - 128
+      for (int64_t g = 0; g < groups; ++g) shifted[g] = o[g] + 128.0f * s[g];
+      offset = shifted.data();
     }
+    for (int r = 0; r < ROWS; ++r) out[r * out_stride + n] = horizontal_sum(acc[r]) + dot(offset, sums + r * groups, groups);
   }
 }
 
