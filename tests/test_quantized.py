@@ -139,6 +139,18 @@ def activation_rounding_bound(x: torch.Tensor, q: QuantizedWeight) -> torch.Tens
     return (step / 2) @ (q.scales.double().abs() * code_sums).T
 
 
+def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, q: QuantizedWeight, divisor: int) -> None:
+    """got is x @ W.T up to the rounding of x to 8 bits per group (divided by `divisor` for finer
+    roundings), float32 sums and, for a bf16 result, its own rounding; and x really was rounded."""
+    want = x.double() @ reference_weight(q).T
+    bound = activation_rounding_bound(x, q) / divisor + 1e-5 * (x.double().abs() @ reference_weight(q).abs().T)
+    if got.dtype == torch.bfloat16:
+        bound += want.abs() * 2**-8
+    error = (got.double() - want).abs()
+    assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
+    assert error.max() > 0  # the activations really were rounded: this is not the float32 kernel
+
+
 def q8_matmul(x: torch.Tensor, q: QuantizedWeight, two_parts: bool) -> torch.Tensor:
     w = InterleavedWeight.from_rows(q)
     return torch.ops.tokenmill.quant_gemv_q8(x, w.codes, w.scales, w.offsets, w.bits, w.group_size, w.num_rows,
@@ -153,16 +165,9 @@ def q8_matmul(x: torch.Tensor, q: QuantizedWeight, two_parts: bool) -> torch.Ten
 def test_q8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype, two_parts):
     q = random_weight(45, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)  # 45: a padded last block
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    want = x.double() @ reference_weight(q).T
     got = q8_matmul(x, q, two_parts)
     assert got.dtype == dtype and got.shape == (rows, 45)
-    rounding = activation_rounding_bound(x, q) / (254 if two_parts else 1)  # the second part: in 254ths of a step
-    bound = rounding + 1e-5 * (x.double().abs() @ reference_weight(q).abs().T)
-    if dtype == torch.bfloat16:
-        bound += want.abs() * 2**-8  # the result's own rounding
-    error = (got.double() - want).abs()
-    assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
-    assert error.max() > 0  # the activations really were rounded: this is not the float32 kernel
+    assert_within_rounding(got, x, q, 254 if two_parts else 1)  # the second part: in 254ths of a step
 
 
 @needs_q8_kernel
@@ -201,17 +206,10 @@ def test_which_kernel_a_layer_takes(monkeypatch):
 def test_i8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype, two_parts):
     q = random_weight(45, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    want = x.double() @ reference_weight(q).T
     got = torch.ops.tokenmill.quant_gemv_i8(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, two_parts)
     assert got.dtype == dtype and got.shape == (rows, 45)
     # the second part is in 256ths of a step, clamped to +-127 of them: at most 1/128 of the first's error
-    rounding = activation_rounding_bound(x, q) / (128 if two_parts else 1)
-    bound = rounding + 1e-5 * (x.double().abs() @ reference_weight(q).abs().T)
-    if dtype == torch.bfloat16:
-        bound += want.abs() * 2**-8  # the result's own rounding
-    error = (got.double() - want).abs()
-    assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
-    assert error.max() > 0  # the activations really were rounded: this is not the float32 kernel
+    assert_within_rounding(got, x, q, 128 if two_parts else 1)
 
 
 @needs_i8_kernel

@@ -178,16 +178,10 @@ void run(const float* x, int64_t M, int64_t K, const at::Tensor& codes, const at
 
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                       const at::Tensor& offsets, int64_t bits, int64_t group_size) {
-  tokenmill_quant::check_arguments(x, codes, scales, offsets, bits, group_size);
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  const at::Tensor x32 = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (scales.scalar_type() == at::kHalf) {
-    run<c10::Half>(x32.data_ptr<float>(), M, K, codes, scales, offsets, bits, group_size, out.data_ptr<float>());
-  } else {
-    run<float>(x32.data_ptr<float>(), M, K, codes, scales, offsets, bits, group_size, out.data_ptr<float>());
-  }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return tokenmill_quant::gemv_op(x, codes, scales, offsets, bits, group_size,
+                                  [&](auto scale_type, const float* x32, int64_t M, int64_t K, float* out) {
+                                    run<decltype(scale_type)>(x32, M, K, codes, scales, offsets, bits, group_size, out);
+                                  });
 }
 
 // ---- quant_gemv_i8 --------------------------------------------------------------------------
@@ -441,35 +435,18 @@ void dequantize_rows(const at::Tensor& codes, const at::Tensor& scales, const at
 
 at::Tensor quant_dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
                             int64_t group_size, at::ScalarType dtype) {
-  TORCH_CHECK(scales.dim() == 2, "scales must be [N, K / group_size]");
-  const int64_t K = scales.size(1) * group_size;
-  tokenmill_quant::check_row_weight(codes, scales, offsets, bits, group_size, K);
-  at::Tensor out = at::empty({codes.size(0), K}, scales.options().dtype(dtype));
-  const bool half = scales.scalar_type() == at::kHalf;
-  switch (dtype) {
-    case at::kFloat:
-      half ? dequantize_rows<c10::Half, float>(codes, scales, offsets, bits, group_size, K, out)
-           : dequantize_rows<float, float>(codes, scales, offsets, bits, group_size, K, out);
-      break;
-    case at::kBFloat16:
-      half ? dequantize_rows<c10::Half, c10::BFloat16>(codes, scales, offsets, bits, group_size, K, out)
-           : dequantize_rows<float, c10::BFloat16>(codes, scales, offsets, bits, group_size, K, out);
-      break;
-    case at::kHalf:
-      half ? dequantize_rows<c10::Half, c10::Half>(codes, scales, offsets, bits, group_size, K, out)
-           : dequantize_rows<float, c10::Half>(codes, scales, offsets, bits, group_size, K, out);
-      break;
-    default: TORCH_CHECK(false, "quant_dequantize: dtype must be float32, bfloat16 or float16");
-  }
-  return out;
+  return tokenmill_quant::dequantize_op(codes, scales, offsets, bits, group_size, dtype,
+                                        [&](auto scale_type, auto out_type, int64_t K, at::Tensor& out) {
+                                          dequantize_rows<decltype(scale_type), decltype(out_type)>(
+                                              codes, scales, offsets, bits, group_size, K, out);
+                                        });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size) -> Tensor");
-  m.def("quant_dequantize(Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, ScalarType dtype) "
-        "-> Tensor");
+  m.def(tokenmill_quant::kQuantGemvSchema);
+  m.def(tokenmill_quant::kQuantDequantizeSchema);
   m.def("quant_gemv_i8(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, "
         "bool two_parts) -> Tensor");
 }

@@ -1,7 +1,11 @@
-// Argument checks of the quantized-weight kernels (quant_gemv.cpp, quant_gemv_q8.cpp, quant_gemm.cpp; layouts in
-// layers/quantized.py), so that each rule is written once.
+// Argument checks of the quantized-weight kernels (quant_gemv.cpp, quant_gemv_avx2.cpp, quant_gemv_q8.cpp,
+// quant_gemm.cpp; layouts in layers/quantized.py), and the op wrappers quant_gemv.cpp and its AVX2 twin share,
+// so that each rule is written once.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 namespace tokenmill_quant {
 
@@ -64,5 +68,52 @@ inline void check_interleaved(const at::Tensor& x, const at::Tensor& codes, cons
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == K / G && scales.size(2) == kInterleavedLanes,
               "scales must be [ceil(N / 16), K / G, 16]");
 }
+
+// quant_gemv(x, codes, scales, offsets, bits, G) -> [M, N] in x's dtype: checks, x in float32, and
+// run(S{}, x32, M, K, out32) for S the scales' type (float or c10::Half) fills the float32 result.
+template <typename Run>
+at::Tensor gemv_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                   int64_t bits, int64_t group_size, Run&& run) {
+  check_arguments(x, codes, scales, offsets, bits, group_size);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (scales.scalar_type() == at::kHalf) {
+    run(c10::Half{}, x32.data_ptr<float>(), M, K, out.data_ptr<float>());
+  } else {
+    run(float{}, x32.data_ptr<float>(), M, K, out.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// quant_dequantize(codes, scales, offsets, bits, G, dtype) -> the weight [N, K]: checks, and rows(S{}, T{}, K, out)
+// for S the scales' type and T the output's fills it.
+template <typename Rows>
+at::Tensor dequantize_op(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets, int64_t bits,
+                         int64_t group_size, at::ScalarType dtype, Rows&& rows) {
+  TORCH_CHECK(scales.dim() == 2, "scales must be [N, K / group_size]");
+  const int64_t K = scales.size(1) * group_size;
+  check_row_weight(codes, scales, offsets, bits, group_size, K);
+  at::Tensor out = at::empty({codes.size(0), K}, scales.options().dtype(dtype));
+  auto with_output = [&](auto scale_type) {
+    switch (dtype) {
+      case at::kFloat: rows(scale_type, float{}, K, out); break;
+      case at::kBFloat16: rows(scale_type, c10::BFloat16{}, K, out); break;
+      case at::kHalf: rows(scale_type, c10::Half{}, K, out); break;
+      default: TORCH_CHECK(false, "quant_dequantize: dtype must be float32, bfloat16 or float16");
+    }
+  };
+  if (scales.scalar_type() == at::kHalf) {
+    with_output(c10::Half{});
+  } else {
+    with_output(float{});
+  }
+  return out;
+}
+
+constexpr const char* kQuantGemvSchema =
+    "quant_gemv(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size) -> Tensor";
+constexpr const char* kQuantDequantizeSchema =
+    "quant_dequantize(Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, ScalarType dtype) -> Tensor";
 
 }  // namespace tokenmill_quant
