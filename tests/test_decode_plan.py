@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokenmill.layers.cpu_attention import default_attention_backend
+from tokenmill.layers.cpu_kernels import quant_gemv_q8_available
 from tokenmill.layers.quantized import QuantizedLinear
 from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.loader import load_model
@@ -66,3 +67,43 @@ def test_plan_takes_only_few_row_decode_steps(tiny_llama_dir):
     assert covers(decode, 8)
     assert not covers(wide, 9)  # the batched path: the modules' own choice
     assert not covers(mixed, 4)
+
+
+def _decode_steps(runner: ModelRunner, prompts: list[list[int]], num_steps: int) -> list[ForwardInput]:
+    """Prefill the prompts (one block table each, 4 blocks apart), then num_steps decode batches."""
+    tables = [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(len(prompts))]
+    runner.forward(ForwardInput(prompts, [0] * len(prompts), tables, [True] * len(prompts)))
+    return [ForwardInput([[(7 * i + 3 * step) % 500 + 1] for i in range(len(prompts))],
+                         [len(p) + step for p in prompts], tables, [True] * len(prompts)) for step in range(num_steps)]
+
+
+@pytest.mark.skipif(not quant_gemv_q8_available(), reason="decode_layers runs the VNNI kernel (AVX-512 VNNI)")
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])  # 8: two passes of 4 activation rows over each block
+def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seqs, monkeypatch):
+    """decode_layers (one op for every layer) gives the Python loop's hidden states bit for bit,
+    over contexts that cross block boundaries (prompts of 5 to 40 tokens, 8 steps)."""
+    runner = ModelRunner(load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), quantization=quantization,
+                                    with_tokenizer=False).model,
+                         num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.bfloat16)
+    plan = runner.decode_plan
+    assert plan is not None and plan.fused is not None
+    fused_calls = []
+    decode_layers = torch.ops.tokenmill.decode_layers.default
+    monkeypatch.setattr(torch.ops.tokenmill.decode_layers, "default",
+                        lambda *a: fused_calls.append(1) or decode_layers(*a), raising=False)
+    prompts = [[(31 * i + j) % 900 + 1 for j in range(5 + 5 * i)] for i in range(num_seqs)]
+    fused = plan.fused
+    for step, batch in enumerate(_decode_steps(runner, prompts, 8)):
+        with_fused = runner.forward(batch)
+        plan.fused = None  # rewrites the same cache slots with the same values
+        loop = runner.forward(batch)
+        plan.fused = fused
+        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
+    assert len(fused_calls) == 8
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_layers_with_biases_or_qk_norms_keep_the_loop(tiny_model_dirs, arch):
+    runner = _runner(tiny_model_dirs[arch], "int4")
+    assert runner.decode_plan is not None and runner.decode_plan.fused is None

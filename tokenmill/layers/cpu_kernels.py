@@ -31,9 +31,10 @@ from tokenmill.platform import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "quant_gemm.cpp", "fused_ops.cpp")]
+SOURCES = [CSRC / name for name in (
+    "paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "quant_gemm.cpp", "fused_ops.cpp", "decode_step.cpp")]
 AVX2_SOURCES = [CSRC / name for name in ("quant_gemv_avx2.cpp", "fused_ops.cpp", "decode_attention_rows.cpp")]
-HEADERS = [CSRC / "vec_math.h", CSRC / "quant_layout.h"]  # in the build fingerprint too
+HEADERS = [CSRC / name for name in ("vec_math.h", "quant_layout.h", "quant_gemv_q8.h", "paged_decode.h", "fused_rows.h")]  # in the build fingerprint too
 AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
 

@@ -10,10 +10,17 @@ decode steps of at most GEMV_MAX_ROWS sequences on our kernels: the AVX-512 set 
 attention, or the AVX2 build's fused ops with the PyTorch backend (whose decode is one op there);
 every other step takes the model's forward. Linears whose layer has no bare few-row kernel
 (dense, tensor-parallel) are called as the modules they are.
+
+Where every projection of every layer runs the VNNI kernel and attention is the paged kernel's
+(Llama-style layers without biases or q/k norms: the default model), the whole loop over the
+layers is one op, csrc/decode_step.cpp's decode_layers: the same row functions in the same order,
+in one parallel region, so the threads are not forked and joined around every call
+(TOKENMILL_DECODE_LAYERS=0 keeps the Python loop, for comparisons).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,9 +29,11 @@ from torch import nn
 
 from tokenmill.layers.attention import AttentionContext, DecodeBucket, TorchPagedAttention
 from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket, fused_decode_attention
-from tokenmill.layers.cpu_kernels import decode_attention_rows_available, fused_ops_available, kernels_available
+from tokenmill.layers.cpu_kernels import (
+    decode_attention_rows_available, fused_ops_available, kernels_available, quant_gemv_q8_available,
+)
 from tokenmill.layers.linear import silu_and_mul
-from tokenmill.layers.quantized import GEMV_MAX_ROWS, QuantizedLinear
+from tokenmill.layers.quantized import GEMV_MAX_ROWS, InterleavedWeight, QuantizedLinear
 from tokenmill.models.llama import DecoderForCausalLM
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -54,6 +63,40 @@ def _bound_linear(module: nn.Module) -> tuple[Linear, bool]:
     return (module, False) if kernel is None else (kernel, True)
 
 
+@dataclass
+class FusedLayers:
+    """decode_layers' arguments that do not change between steps: per layer its two norm weights,
+    each projection's codes, scales and offsets, its caches; 4 ints per projection."""
+
+    weights: list[torch.Tensor]
+    linears: list[int]
+
+    @classmethod
+    def of(cls, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedLayers | None:
+        """None where some layer cannot run in decode_layers (see the module docstring)."""
+        if os.environ.get("TOKENMILL_DECODE_LAYERS", "1") == "0" or not quant_gemv_q8_available():
+            return None
+        weights, linears = [], []
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attn.q_norm is not None or not all(_runs_vnni(p) for p in projections):
+                return None
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for p in projections:
+                w = p.qweight
+                weights += [w.codes, w.scales, w.offsets]
+                linears += [w.bits, w.group_size, w.num_rows, int(p.activation_bits == 16)]
+            weights += [k_cache, v_cache]
+        return cls(weights, linears)
+
+
+def _runs_vnni(module: nn.Module) -> bool:
+    """Whether the module is a bias-free projection whose few rows go through quant_gemv_q8."""
+    return (isinstance(module, QuantizedLinear) and isinstance(module.qweight, InterleavedWeight)
+            and module.bias is None and module.activation_bits in (8, 16))
+
+
 class DecodePlan:
     """model's forward for few-row decode steps on the CPU kernels (see the module docstring)."""
 
@@ -73,6 +116,7 @@ class DecodePlan:
                 down=_bound_linear(mlp.down_proj)[0], gate_up_is_kernel=gate_up_is_kernel,
                 gate_up_module=mlp.gate_up_proj, q_norm=attn.q_norm, k_norm=attn.k_norm,
                 k_cache=k_cache, v_cache=v_cache))
+        self.fused = FusedLayers.of(model, kv_caches)
 
     @staticmethod
     def applies(backend: object) -> bool:
@@ -102,6 +146,12 @@ class DecodePlan:
         rope = self.model.rotary.step(positions, x.dtype)
         # rotary by our kernel, and the paged kernel's backend: it can run inside the attention op
         fused_attention = rope.tables is None and isinstance(backend, CpuPagedAttention)
+        if fused_attention and self.fused is not None:
+            decode = metadata.decode
+            return ops.decode_layers.default(
+                x, self.fused.weights, self.fused.linears, num_heads, num_kv_heads, rope.positions, rope.cos_cache,
+                rope.sin_cache, metadata.slots, decode.block_table, decode.seq_lens, self.scale, decode.context_len,
+                eps, self.model.norm.weight)
         residual = None
         for layer in self.layers:
             if residual is None:

@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "fused_rows.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -49,37 +50,13 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(), name, ": weight must be [H]");
 }
 
-// y[t] = w * r[t] / rms(r[t]) where r is x (or residual += x first, rounded to T).
 template <typename T, typename W>
 void norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const W* w, T* y, int64_t rows,
                int64_t hidden, double eps) {
-  using namespace tokenmill_vec;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* xt = x + t * x_stride;
-      const T* r = xt;
-      if (residual != nullptr) {
-        T* rt = residual + t * res_stride;
-        for (int64_t i = 0; i < hidden; i += 16) {
-          const int64_t n = std::min<int64_t>(16, hidden - i);
-          store(rt + i, add(load(rt + i, n), load(xt + i, n)), n);
-        }
-        r = rt;
-      }
-      Vec16 squares = zero();
-      for (int64_t i = 0; i < hidden; i += 16) {
-        const Vec16 v = load(r + i, std::min<int64_t>(16, hidden - i));
-        squares = fmadd(v, v, squares);
-      }
-      const float inv_rms =
-          1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(hidden) + static_cast<float>(eps));
-      const Vec16 scale = set1(inv_rms);
-      T* yt = y + t * hidden;
-      for (int64_t i = 0; i < hidden; i += 16) {
-        const int64_t n = std::min<int64_t>(16, hidden - i);
-        store(yt + i, mul(mul(load(r + i, n), scale), load(w + i, n)), n);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      tokenmill_rows::norm_row(x + t * x_stride, residual == nullptr ? nullptr : residual + t * res_stride, w,
+                               y + t * hidden, hidden, eps);
   });
 }
 
@@ -198,7 +175,7 @@ void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor&
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: x must be [T, heads, head_dim] with unit stride last");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == x.size(0) &&
               positions.is_contiguous(), "rotary_: positions must be int64 [T]");
-  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
   TORCH_CHECK(D % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
               cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
               sin.is_contiguous(), "rotary_: cos and sin must be contiguous float32 [max_positions, head_dim]");
@@ -214,14 +191,7 @@ void rotary_(const at::Tensor& x, const at::Tensor& positions, const at::Tensor&
     at::parallel_for(0, T * heads, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t t = i / heads, h = i % heads;
-        S* row = base + t * x.stride(0) + h * x.stride(1);
-        const float* ct = c + pos[t] * D;
-        const float* st = s + pos[t] * D;
-        for (int64_t j = 0; j < half; ++j) {
-          const float a = static_cast<float>(row[j]), b = static_cast<float>(row[j + half]);
-          row[j] = static_cast<S>(a * ct[j] - b * st[j]);
-          row[j + half] = static_cast<S>(b * ct[j + half] + a * st[j + half]);
-        }
+        tokenmill_rows::rotate_row(base + t * x.stride(0) + h * x.stride(1), c + pos[t] * D, s + pos[t] * D, D);
       }
     });
   });
@@ -236,30 +206,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const S* in = x.data_ptr<S>();
     S* o = out.data_ptr<S>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-      using namespace tokenmill_vec;
-      const Vec16 one = set1(1.0f);
-      for (int64_t t = begin; t < end; ++t) {
-        const S* gate = in + t * x.stride(0);
-        for (int64_t i = 0; i < I; i += 16) {
-          const int64_t n = std::min<int64_t>(16, I - i);
-          const Vec16 g = load(gate + i, n);
-          const Vec16 silu = div(g, add(one, exp(sub(zero(), g))));
-          store(o + t * I + i, mul(silu, load(gate + I + i, n)), n);
-        }
-      }
+      for (int64_t t = begin; t < end; ++t) tokenmill_rows::silu_and_mul_row(in + t * x.stride(0), o + t * I, I);
     });
   });
   return out;
-}
-
-// pairs words from src (one after another) to dst, dst_stride bytes apart
-template <typename Word>
-inline void copy_pairs(const char* src, char* dst, int64_t pairs, int64_t dst_stride) {
-  for (int64_t p = 0; p < pairs; ++p) {
-    Word word;
-    std::memcpy(&word, src + p * sizeof(Word), sizeof(Word));
-    std::memcpy(dst + p * dst_stride, &word, sizeof(Word));
-  }
 }
 
 void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -287,17 +237,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   at::parallel_for(0, T * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / heads, h = i % heads;
-      const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
-      const int64_t head_block = (h * blocks + block) * block_size * D;  // element index of the block
-      std::memcpy(vc + (head_block + offset * D) * elem, vp + (t * v.stride(0) + h * v.stride(1)) * elem, D * elem);
-      // keys: dimension pair p of token `offset` sits at [p, offset, 0:2] of the block
-      const char* key = kp + (t * k.stride(0) + h * k.stride(1)) * elem;
-      char* column = kc + (head_block + offset * 2) * elem;
-      if (elem == 2) {  // a pair is one 32-bit word
-        copy_pairs<uint32_t>(key, column, D / 2, block_size * 2 * elem);
-      } else {
-        copy_pairs<uint64_t>(key, column, D / 2, block_size * 2 * elem);
-      }
+      tokenmill_rows::write_kv_row(kp + (t * k.stride(0) + h * k.stride(1)) * elem,
+                                   vp + (t * v.stride(0) + h * v.stride(1)) * elem, kc, vc, h, slot[t], blocks,
+                                   block_size, D, elem);
     }
   });
 }

@@ -1,0 +1,177 @@
+// The core of quant_gemv_q8 (layout and arithmetic in quant_gemv_q8.cpp's header comment): one
+// activation row quantized per group, and the VNNI multiply over a range of 16-row blocks. The op
+// (quant_gemv_q8.cpp) and the fused decode step (decode_step.cpp) both run these, so that they
+// compute the same sums bit for bit.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "quant_layout.h"
+#include "vec_math.h"
+
+#if defined(__AVX512VNNI__)
+namespace tokenmill_q8 {
+
+constexpr int64_t kLanes = tokenmill_quant::kInterleavedLanes;  // output rows per block
+constexpr int64_t kPassRows = 4;   // activation rows per pass over a block (the rest: more passes, from L1)
+// Codes are prefetched this many steps (of NB blocks) ahead: the hardware prefetchers alone left
+// one row's stream of the weights at ~2/3 of the speed it reaches with them.
+constexpr int64_t kPrefetchAhead = 2;
+
+using tokenmill_vec::load;  // n <= 16 elements as float32
+
+// Activations of one row, quantized per group: q [K], the group scales d and sums X [K / G].
+struct QuantizedRow {
+  int8_t* q;
+  int8_t* q2;  // two_parts: the rounding error of q, in steps of d / 254 (else nullptr)
+  float* d;
+  float* sums;
+};
+
+template <typename X>
+inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      const __m512 v = load(x + k, 16);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      sum = _mm512_add_ps(sum, v);
+    }
+    const float top = _mm512_reduce_max_ps(amax);
+    row.d[g] = top / 127.0f;
+    row.sums[g] = _mm512_reduce_add_ps(sum);
+    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      const __m512 steps = _mm512_mul_ps(load(x + k, 16), inverse);  // x / d
+      const __m512i rounded = _mm512_cvtps_epi32(steps);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + k), _mm512_cvtsepi32_epi8(rounded));
+      if (row.q2 != nullptr) {  // (x / d - q) in [-1/2, 1/2], in 254ths
+        const __m512 error = _mm512_mul_ps(_mm512_sub_ps(steps, _mm512_cvtepi32_ps(rounded)), _mm512_set1_ps(254.0f));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q2 + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(error)));
+      }
+    }
+  }
+}
+
+// Four activation bytes (columns k .. k + 3) in every lane.
+__attribute__((always_inline)) inline __m512i broadcast4(const int8_t* q) {
+  int32_t quad;
+  std::memcpy(&quad, q, sizeof(quad));
+  return _mm512_set1_epi32(quad);
+}
+
+// Blocks [b_begin, b_end) for ROWS activation rows, NB blocks at a time (independent chains of
+// multiply-adds: one waits on itself), into out[r * out_stride + 16 (b - b_begin) + i]. Each
+// group's integer sums go into two accumulators per part (low and high nibbles, or even and odd
+// quads), for the same reason.
+template <int ROWS, int NB, bool TWO_PARTS, int BITS, typename S>
+void gemv_blocks(const QuantizedRow* x, const uint8_t* codes, const S* scales, const S* offsets, int64_t b_begin,
+                 int64_t b_end, int64_t groups, int64_t G, float* out, int64_t out_stride) {
+  constexpr int kParts = TWO_PARTS ? 2 : 1;
+  const int64_t group_bytes = kLanes * G * BITS / 8;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  int64_t b = b_begin;
+  for (; b + NB <= b_end; b += NB) {
+    __m512 acc[ROWS][NB];
+    for (int r = 0; r < ROWS; ++r)
+      for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i isum[ROWS][NB][kParts][2];
+      for (int r = 0; r < ROWS; ++r)
+        for (int n = 0; n < NB; ++n)
+          for (int p = 0; p < kParts; ++p) isum[r][n][p][0] = isum[r][n][p][1] = _mm512_setzero_si512();
+      const int64_t col = g * G;
+      if (b + kPrefetchAhead * NB < b_end) {  // this group of the blocks two steps on (+30% at one row)
+        for (int n = 0; n < NB; ++n)
+          for (int64_t line = 0; line < group_bytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(codes + ((b + kPrefetchAhead * NB + n) * groups + g) * group_bytes +
+                                                       line), _MM_HINT_T0);
+      }
+      if constexpr (BITS == 4) {
+        for (int64_t j = 0; j < G / 8; ++j) {
+          __m512i low[NB], high[NB];
+          for (int n = 0; n < NB; ++n) {
+            const __m512i v = _mm512_loadu_si512(codes + ((b + n) * groups + g) * group_bytes + 64 * j);
+            low[n] = _mm512_and_si512(v, nibble);
+            high[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+          }
+          for (int r = 0; r < ROWS; ++r) {
+            for (int p = 0; p < kParts; ++p) {
+              const int8_t* q = p == 0 ? x[r].q : x[r].q2;
+              const __m512i qa = broadcast4(q + col + 4 * j), qb = broadcast4(q + col + 4 * (j + G / 8));
+              for (int n = 0; n < NB; ++n) {
+                isum[r][n][p][0] = _mm512_dpbusd_epi32(isum[r][n][p][0], low[n], qa);
+                isum[r][n][p][1] = _mm512_dpbusd_epi32(isum[r][n][p][1], high[n], qb);
+              }
+            }
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < G / 4; ++j) {
+          __m512i w[NB];
+          for (int n = 0; n < NB; ++n) w[n] = _mm512_loadu_si512(codes + ((b + n) * groups + g) * group_bytes + 64 * j);
+          for (int r = 0; r < ROWS; ++r) {
+            for (int p = 0; p < kParts; ++p) {
+              const __m512i qa = broadcast4((p == 0 ? x[r].q : x[r].q2) + col + 4 * j);
+              for (int n = 0; n < NB; ++n) isum[r][n][p][j & 1] = _mm512_dpbusd_epi32(isum[r][n][p][j & 1], w[n], qa);
+            }
+          }
+        }
+      }
+      for (int n = 0; n < NB; ++n) {
+        const __m512 s = load(scales + ((b + n) * groups + g) * kLanes, kLanes);
+        const __m512 o = load(offsets + ((b + n) * groups + g) * kLanes, kLanes);
+        for (int r = 0; r < ROWS; ++r) {
+          __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r][n][0][0], isum[r][n][0][1]));
+          if constexpr (TWO_PARTS) {
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_add_epi32(isum[r][n][1][0], isum[r][n][1][1]));
+            sum = _mm512_fmadd_ps(low, _mm512_set1_ps(1.0f / 254.0f), sum);
+          }
+          acc[r][n] = _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(x[r].d[g])), s, acc[r][n]);
+          acc[r][n] = _mm512_fmadd_ps(o, _mm512_set1_ps(x[r].sums[g]), acc[r][n]);
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int n = 0; n < NB; ++n) _mm512_storeu_ps(out + r * out_stride + (b + n - b_begin) * kLanes, acc[r][n]);
+  }
+  if constexpr (NB > 1) {  // the last blocks, one at a time
+    if (b < b_end)
+      gemv_blocks<ROWS, 1, TWO_PARTS, BITS, S>(x, codes, scales, offsets, b, b_end, groups, G,
+                                               out + (b - b_begin) * kLanes, out_stride);
+  }
+}
+
+template <typename S>
+using GemvFn = void (*)(const QuantizedRow*, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t, int64_t,
+                        float*, int64_t);
+
+// Two blocks at a time while one or two rows leave registers for them.
+template <int ROWS, bool TWO, typename S>
+GemvFn<S> gemv_for(int64_t bits) {
+  constexpr int NB = ROWS <= 2 ? 2 : 1;
+  return bits == 8 ? gemv_blocks<ROWS, NB, TWO, 8, S> : gemv_blocks<ROWS, NB, TWO, 4, S>;
+}
+
+template <bool TWO, typename S>
+GemvFn<S> select_gemv(int64_t rows, int64_t bits) {
+  switch (rows) {
+    case 1: return gemv_for<1, TWO, S>(bits);
+    case 2: return gemv_for<2, TWO, S>(bits);
+    case 3: return gemv_for<3, TWO, S>(bits);
+    default: return gemv_for<4, TWO, S>(bits);
+  }
+}
+
+template <typename T>
+inline void store_rows(const float* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t rows, int64_t begin,
+                int64_t end) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = begin; n < end; ++n) dst[r * dst_stride + n] = static_cast<T>(src[r * src_stride + n - begin]);
+}
+
+}  // namespace tokenmill_q8
+#endif  // __AVX512VNNI__
