@@ -60,6 +60,18 @@ struct Linear {
   std::pair<int64_t, int64_t> share(int thread, int num_threads) const {
     return {blocks * thread / num_threads, blocks * (thread + 1) / num_threads};
   }
+  // The first bytes of this thread's share, fetched into L2 while it waits at a barrier: the
+  // kernel's own prefetching starts a few blocks into the share (+5-10% on the EPYC's W1).
+  void prefetch_share(int thread, int num_threads) const {
+    const int64_t begin = share(thread, num_threads).first, block_bytes = groups() * kLanes * G * bits / 8;
+    const int64_t scale_bytes = groups() * kLanes * (half_scales ? 2 : 4);
+    for (int64_t line = 0; line < kPrefetchBytes; line += 64) prefetch_l2(codes + begin * block_bytes + line);
+    for (int64_t line = 0; line < std::min(kPrefetchBytes / 4, scale_bytes); line += 64) {
+      prefetch_l2(static_cast<const char*>(scales) + begin * scale_bytes + line);
+      prefetch_l2(static_cast<const char*>(offsets) + begin * scale_bytes + line);
+    }
+  }
+  static constexpr int64_t kPrefetchBytes = 4096;
 };
 
 struct Layer {
@@ -206,6 +218,7 @@ void run_layers(const StepInputs& s, const std::vector<Layer>& layers, const W* 
         act.quantize(h.data(), M, layer.qkv);
       }
       gemv(layer.qkv, act, M, thread, threads, local.data(), qkv.data());
+      layer.o.prefetch_share(thread, threads);
 #pragma omp barrier
       for (int64_t item = items * thread / threads; item < items * (thread + 1) / threads; ++item)
         attention_item(s, layer, qkv.data(), q_rows.data(), attn.data(), scores.data(), item / s.num_kv_heads,
@@ -214,6 +227,7 @@ void run_layers(const StepInputs& s, const std::vector<Layer>& layers, const W* 
 #pragma omp single
       act.quantize(attn.data(), M, layer.o);
       gemv(layer.o, act, M, thread, threads, local.data(), o.data());
+      layer.gate_up.prefetch_share(thread, threads);
 #pragma omp barrier
 #pragma omp single
       {
@@ -221,6 +235,7 @@ void run_layers(const StepInputs& s, const std::vector<Layer>& layers, const W* 
         act.quantize(h.data(), M, layer.gate_up);
       }
       gemv(layer.gate_up, act, M, thread, threads, local.data(), gate_up.data());
+      layer.down.prefetch_share(thread, threads);
 #pragma omp barrier
 #pragma omp single
       {
@@ -229,6 +244,7 @@ void run_layers(const StepInputs& s, const std::vector<Layer>& layers, const W* 
         act.quantize(gated.data(), M, layer.down);
       }
       gemv(layer.down, act, M, thread, threads, local.data(), down.data());
+      if (i + 1 < layers.size()) layers[i + 1].qkv.prefetch_share(thread, threads);
 #pragma omp barrier
     }
   }
