@@ -8,7 +8,7 @@ import torch
 from tokenmill.layers.cpu_attention import default_attention_backend
 from tokenmill.layers.cpu_kernels import quant_gemv_q8_available
 from tokenmill.layers.quantized import QuantizedLinear
-from tokenmill.models.decode_plan import DecodePlan
+from tokenmill.models.decode_plan import DecodePlan, FusedLayers
 from tokenmill.models.loader import load_model
 from tokenmill.worker.forward_input import ForwardInput
 from tokenmill.worker.model_runner import ModelRunner
@@ -77,11 +77,11 @@ def _decode_steps(runner: ModelRunner, prompts: list[list[int]], num_steps: int)
                          [len(p) + step for p in prompts], tables, [True] * len(prompts)) for step in range(num_steps)]
 
 
-@pytest.mark.skipif(not quant_gemv_q8_available(), reason="decode_layers runs the VNNI kernel (AVX-512 VNNI)")
+@pytest.mark.skipif(not quant_gemv_q8_available(), reason="DecodeLayers runs the VNNI kernel (AVX-512 VNNI)")
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("num_seqs", [1, 3, 8])  # 8: two passes of 4 activation rows over each block
 def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seqs, monkeypatch):
-    """decode_layers (one op for every layer) gives the Python loop's hidden states bit for bit,
+    """DecodeLayers (one call for every layer) gives the Python loop's hidden states bit for bit,
     over contexts that cross block boundaries (prompts of 5 to 40 tokens, 8 steps)."""
     runner = ModelRunner(load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), quantization=quantization,
                                     with_tokenizer=False).model,
@@ -89,9 +89,8 @@ def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seq
     plan = runner.decode_plan
     assert plan is not None and plan.fused is not None
     fused_calls = []
-    decode_layers = torch.ops.tokenmill.decode_layers.default
-    monkeypatch.setattr(torch.ops.tokenmill.decode_layers, "default",
-                        lambda *a: fused_calls.append(1) or decode_layers(*a), raising=False)
+    fused_call = FusedLayers.__call__
+    monkeypatch.setattr(FusedLayers, "__call__", lambda self, *a: fused_calls.append(1) or fused_call(self, *a))
     prompts = [[(31 * i + j) % 900 + 1 for j in range(5 + 5 * i)] for i in range(num_seqs)]
     fused = plan.fused
     for step, batch in enumerate(_decode_steps(runner, prompts, 8)):

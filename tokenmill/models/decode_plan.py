@@ -13,7 +13,7 @@ every other step takes the model's forward. Linears whose layer has no bare few-
 
 Where every projection of every layer runs the VNNI kernel and attention is the paged kernel's
 (Llama-style layers without biases or q/k norms: the default model), the whole loop over the
-layers is one op, csrc/decode_step.cpp's decode_layers: the same row functions in the same order,
+layers is one call of csrc/decode_step.cpp's DecodeLayers: the same row functions in the same order,
 in one parallel region, so the threads are not forked and joined around every call
 (TOKENMILL_DECODE_LAYERS=0 keeps the Python loop, for comparisons).
 """
@@ -63,32 +63,40 @@ def _bound_linear(module: nn.Module) -> tuple[Linear, bool]:
     return (module, False) if kernel is None else (kernel, True)
 
 
-@dataclass
 class FusedLayers:
-    """decode_layers' arguments that do not change between steps: per layer its two norm weights,
-    each projection's codes, scales and offsets, its caches; 4 ints per projection."""
+    """Every layer's few-row decode step as one call of csrc/decode_step.cpp's DecodeLayers, which
+    holds (and checked once) per layer its two norm weights, each projection's codes, scales and
+    offsets with 4 ints (bits, group size, rows, 16-bit activations), and its caches."""
 
-    weights: list[torch.Tensor]
-    linears: list[int]
-
-    @classmethod
-    def of(cls, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedLayers | None:
-        """None where some layer cannot run in decode_layers (see the module docstring)."""
-        if os.environ.get("TOKENMILL_DECODE_LAYERS", "1") == "0" or not quant_gemv_q8_available():
-            return None
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         weights, linears = [], []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attn.q_norm is not None or not all(_runs_vnni(p) for p in projections):
-                return None
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for p in projections:
+            for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 w = p.qweight
                 weights += [w.codes, w.scales, w.offsets]
                 linears += [w.bits, w.group_size, w.num_rows, int(p.activation_bits == 16)]
             weights += [k_cache, v_cache]
-        return cls(weights, linears)
+        first = model.layers[0]
+        self.layers = torch.classes.tokenmill.DecodeLayers(
+            weights, linears, first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.scale,
+            first.input_layernorm.eps, model.norm.weight)
+
+    @staticmethod
+    def applies(model: DecoderForCausalLM) -> bool:
+        """Whether every layer can run in DecodeLayers (see the module docstring)."""
+        if os.environ.get("TOKENMILL_DECODE_LAYERS", "1") == "0" or not quant_gemv_q8_available():
+            return False
+        return all(layer.self_attn.q_norm is None and all(_runs_vnni(p) for p in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            for layer in model.layers)
+
+    def __call__(self, x: torch.Tensor, rope, metadata) -> torch.Tensor:
+        """x: the step's embeddings [T, hidden] (the residual stream, changed in place) -> the final norm's output."""
+        decode = metadata.decode
+        return self.layers.forward(x, rope.positions, rope.cos_cache, rope.sin_cache, metadata.slots,
+                                   decode.block_table, decode.seq_lens, decode.context_len)
 
 
 def _runs_vnni(module: nn.Module) -> bool:
@@ -116,7 +124,7 @@ class DecodePlan:
                 down=_bound_linear(mlp.down_proj)[0], gate_up_is_kernel=gate_up_is_kernel,
                 gate_up_module=mlp.gate_up_proj, q_norm=attn.q_norm, k_norm=attn.k_norm,
                 k_cache=k_cache, v_cache=v_cache))
-        self.fused = FusedLayers.of(model, kv_caches)
+        self.fused = FusedLayers(model, kv_caches) if FusedLayers.applies(model) else None
 
     @staticmethod
     def applies(backend: object) -> bool:
@@ -147,11 +155,7 @@ class DecodePlan:
         # rotary by our kernel, and the paged kernel's backend: it can run inside the attention op
         fused_attention = rope.tables is None and isinstance(backend, CpuPagedAttention)
         if fused_attention and self.fused is not None:
-            decode = metadata.decode
-            return ops.decode_layers.default(
-                x, self.fused.weights, self.fused.linears, num_heads, num_kv_heads, rope.positions, rope.cos_cache,
-                rope.sin_cache, metadata.slots, decode.block_table, decode.seq_lens, self.scale, decode.context_len,
-                eps, self.model.norm.weight)
+            return self.fused(x, rope, metadata)
         residual = None
         for layer in self.layers:
             if residual is None:

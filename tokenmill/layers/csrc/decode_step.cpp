@@ -6,7 +6,8 @@
 // fork and join around every one of them: here the threads stay in one region and meet at a
 // barrier between the phases that depend on each other.
 //
-//   decode_layers(x [M, H], weights, linears, ...) -> the final norm's output [M, H]
+//   DecodeLayers(weights, linears, num_heads, num_kv_heads, scale, eps, final_norm)   once per model
+//   .forward(x [M, H], positions, cos, sin, slots, block_tables, seq_lens, context) -> final norm [M, H]
 //
 // x: the step's embeddings, used as the residual stream (changed in place). Per layer, weights
 // holds 16 tensors: input norm, post-attention norm, then codes, scales and offsets of the fused
@@ -26,6 +27,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <omp.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -87,11 +89,11 @@ Linear linear_of(const at::Tensor* t, const int64_t* ints, int64_t K) {
   const int64_t bits = ints[0], G = ints[1], N = ints[2];
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
                   codes.size(2) == kLanes * G * bits / 8 && codes.size(1) * G == K && codes.size(0) * kLanes >= N,
-              "decode_layers: a projection's codes do not match its input width");
+              "DecodeLayers: a projection's codes do not match its input width");
   tokenmill_quant::check_scales(scales, offsets);
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
-                  scales.size(2) == kLanes, "decode_layers: a projection's scales do not match its codes");
-  TORCH_CHECK((bits == 4 || bits == 8) && G % 16 == 0 && K % G == 0, "decode_layers: bad bits or group size");
+                  scales.size(2) == kLanes, "DecodeLayers: a projection's scales do not match its codes");
+  TORCH_CHECK((bits == 4 || bits == 8) && G % 16 == 0 && K % G == 0, "DecodeLayers: bad bits or group size");
   return {codes.data_ptr<uint8_t>(), scales.data_ptr(), offsets.data_ptr(), scales.scalar_type() == at::kHalf,
           bits, G, N, K, codes.size(0), ints[3] != 0};
 }
@@ -257,88 +259,98 @@ void for_dtype(const at::Tensor& t, const char* what, Fn&& fn) {
     case at::kBFloat16: fn(c10::BFloat16{}); break;
     case at::kHalf: fn(c10::Half{}); break;
     case at::kFloat: fn(float{}); break;
-    default: TORCH_CHECK(false, "decode_layers: ", what, " must be bfloat16, float16 or float32");
+    default: TORCH_CHECK(false, "DecodeLayers: ", what, " must be bfloat16, float16 or float32");
   }
 }
 
-#endif  // __AVX512VNNI__
+// The layers of one model, checked and laid out once; forward() runs a decode step through them.
+class DecodeLayers : public torch::CustomClassHolder {
+ public:
+  DecodeLayers(std::vector<at::Tensor> weights, std::vector<int64_t> linears, int64_t num_heads, int64_t num_kv_heads,
+               double scale, double eps, at::Tensor final_norm)
+      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads), scale_(static_cast<float>(scale)), eps_(eps) {
+    const int64_t num_layers = static_cast<int64_t>(weights_.size()) / kTensorsPerLayer;
+    TORCH_CHECK(num_layers > 0 && weights_.size() == static_cast<size_t>(num_layers * kTensorsPerLayer) &&
+                    linears.size() == static_cast<size_t>(num_layers * 4 * kIntsPerLinear),
+                "DecodeLayers: 16 tensors and 16 ints per layer");
+    const at::Tensor& k0 = weights_[kTensorsPerLayer - 2];
+    TORCH_CHECK(k0.dim() == 4 && (k0.scalar_type() == at::kBFloat16 || k0.scalar_type() == at::kHalf),
+                "DecodeLayers: caches must be bfloat16 or float16 [kv_heads, blocks, block_size, head_dim]");
+    TORCH_CHECK(k0.size(0) == num_kv_heads && num_heads % num_kv_heads == 0, "DecodeLayers: heads do not match the caches");
+    H_ = final_norm_.size(0), D_ = k0.size(3);
+    TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.is_contiguous() && final_norm_.scalar_type() != at::kDouble,
+                "DecodeLayers: final_norm must be [H]");
+    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * D_;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const at::Tensor* t = weights_.data() + l * kTensorsPerLayer;
+      const int64_t* ints = linears.data() + l * 4 * kIntsPerLinear;
+      for (int i : {0, 1})
+        TORCH_CHECK(t[i].dim() == 1 && t[i].size(0) == H_ && t[i].is_contiguous() &&
+                        t[i].scalar_type() == final_norm_.scalar_type(), "DecodeLayers: norm weights must be [H], one dtype");
+      for (int i : {14, 15})
+        TORCH_CHECK(t[i].sizes() == k0.sizes() && t[i].is_contiguous() && t[i].scalar_type() == k0.scalar_type(),
+                    "DecodeLayers: every cache must be like the first layer's");
+      Layer layer{t[0].data_ptr(), t[1].data_ptr(), linear_of(t + 2, ints, H_),
+                  linear_of(t + 5, ints + 4, num_heads * D_), linear_of(t + 8, ints + 8, H_), {},
+                  t[14].data_ptr(), t[15].data_ptr()};
+      I_ = layer.gate_up.N / 2;
+      layer.down = linear_of(t + 11, ints + 12, I_);
+      TORCH_CHECK(layer.qkv.N == qkv_width && layer.o.N == H_ && layer.down.N == H_ && layer.gate_up.N == 2 * I_,
+                  "DecodeLayers: projection shapes do not match the model's");
+      layers_.push_back(layer);
+    }
+  }
 
-at::Tensor decode_layers(const at::Tensor& x, at::TensorList weights, at::IntArrayRef linears, int64_t num_heads,
-                         int64_t num_kv_heads, const at::Tensor& positions, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, double scale, int64_t context, double eps,
-                         const at::Tensor& final_norm) {
-#if defined(__AVX512VNNI__)
-  const int64_t num_layers = static_cast<int64_t>(weights.size()) / kTensorsPerLayer;
-  TORCH_CHECK(num_layers > 0 && weights.size() == static_cast<size_t>(num_layers * kTensorsPerLayer) &&
-                  linears.size() == static_cast<size_t>(num_layers * 4 * kIntsPerLinear),
-              "decode_layers: 16 tensors and 16 ints per layer");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
-              "decode_layers: x must be contiguous bfloat16 or float16 [M <= 8, H]");
-  const int64_t M = x.size(0), H = x.size(1);
-  for (const at::Tensor* t : {&positions, &slots, &seq_lens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == M,
-                "decode_layers: positions, slots and seq_lens must be int64 [M]");
-  const at::Tensor& k0 = weights[kTensorsPerLayer - 2];
-  const int64_t D = k0.size(3);
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() &&
-                  sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.scalar_type() == at::kFloat,
-              "decode_layers: cos and sin must be contiguous float32 [max_positions, head_dim]");
-  StepInputs s{M, H, 0, num_heads, num_kv_heads, D, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-               block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), cos.data_ptr<float>(),
-               sin.data_ptr<float>(), static_cast<float>(scale), eps,
-               tokenmill_attention::geometry_of(k0, block_tables, M, num_heads, context)};
-  TORCH_CHECK(num_kv_heads == s.geometry.num_kv_heads, "decode_layers: the caches do not have num_kv_heads heads");
-  for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(s.positions[m] >= 0 && s.positions[m] < cos.size(0), "decode_layers: position past the rotary table");
-    TORCH_CHECK(s.slots[m] >= 0 && s.slots[m] < s.geometry.num_blocks * s.geometry.block_size,
-                "decode_layers: slot past the cache");
-  }
-  const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * D;
-  std::vector<Layer> layers;
-  for (int64_t l = 0; l < num_layers; ++l) {
-    const at::Tensor* t = weights.data() + l * kTensorsPerLayer;
-    const int64_t* ints = linears.data() + l * 4 * kIntsPerLinear;
-    for (int i : {0, 1})
-      TORCH_CHECK(t[i].dim() == 1 && t[i].size(0) == H && t[i].is_contiguous() &&
-                      t[i].scalar_type() == final_norm.scalar_type(), "decode_layers: norm weights must be [H], one dtype");
-    for (int i : {14, 15})
-      TORCH_CHECK(t[i].sizes() == k0.sizes() && t[i].is_contiguous() && t[i].scalar_type() == x.scalar_type(),
-                  "decode_layers: every cache must be like the first layer's, in x's dtype");
-    Layer layer{t[0].data_ptr(), t[1].data_ptr(), linear_of(t + 2, ints, H), linear_of(t + 5, ints + 4, num_heads * D),
-                linear_of(t + 8, ints + 8, H), {}, t[14].data_ptr(), t[15].data_ptr()};
-    s.I = layer.gate_up.N / 2;
-    layer.down = linear_of(t + 11, ints + 12, s.I);
-    TORCH_CHECK(layer.qkv.N == qkv_width && layer.o.N == H && layer.down.N == H && layer.gate_up.N == 2 * s.I,
-                "decode_layers: projection shapes do not match the model's");
-    layers.push_back(layer);
-  }
-  TORCH_CHECK(final_norm.dim() == 1 && final_norm.size(0) == H && final_norm.is_contiguous(),
-              "decode_layers: final_norm must be [H]");
-  at::Tensor y = at::empty({M, H}, x.options());
-  for_dtype(x, "x", [&](auto xt) {
-    using T = decltype(xt);
-    for_dtype(final_norm, "norm weights", [&](auto wt) {
-      using W = decltype(wt);
-      if constexpr (!std::is_same_v<T, float>)
-        run_layers<T, W>(s, layers, final_norm.data_ptr<W>(), x.data_ptr<T>(), y.data_ptr<T>());
+  // x [M, H]: the step's embeddings, the residual stream (changed in place); positions, slots,
+  // seq_lens int64 [M]; block_tables int64 [M, max_blocks]; cos, sin float32 [max_positions, D].
+  at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                     at::Tensor block_tables, at::Tensor seq_lens, int64_t context) {
+    const at::Tensor& k0 = weights_[kTensorsPerLayer - 2];
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == H_ &&
+                    x.scalar_type() == k0.scalar_type(), "DecodeLayers: x must be contiguous [M <= 8, H] in the caches' dtype");
+    const int64_t M = x.size(0);
+    for (const at::Tensor* t : {&positions, &slots, &seq_lens})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == M,
+                  "DecodeLayers: positions, slots and seq_lens must be int64 [M]");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D_ && cos.is_contiguous() &&
+                    sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.scalar_type() == at::kFloat,
+                "DecodeLayers: cos and sin must be contiguous float32 [max_positions, head_dim]");
+    StepInputs s{M, H_, I_, num_heads_, num_kv_heads_, D_, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                 block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                 sin.data_ptr<float>(), scale_, eps_, tokenmill_attention::geometry_of(k0, block_tables, M, num_heads_, context)};
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(s.positions[m] >= 0 && s.positions[m] < cos.size(0), "DecodeLayers: position past the rotary table");
+      TORCH_CHECK(s.slots[m] >= 0 && s.slots[m] < s.geometry.num_blocks * s.geometry.block_size,
+                  "DecodeLayers: slot past the cache");
+    }
+    at::Tensor y = at::empty({M, H_}, x.options());
+    for_dtype(x, "x", [&](auto xt) {
+      using T = decltype(xt);
+      for_dtype(final_norm_, "norm weights", [&](auto wt) {
+        using W = decltype(wt);
+        if constexpr (!std::is_same_v<T, float>)
+          run_layers<T, W>(s, layers_, final_norm_.data_ptr<W>(), x.data_ptr<T>(), y.data_ptr<T>());
+      });
     });
-  });
-  return y;
-#else
-  TORCH_CHECK(false, "decode_layers needs a CPU with AVX-512 VNNI");
-#endif
-}
+    return y;
+  }
+
+ private:
+  std::vector<at::Tensor> weights_;  // what layers_ points into, kept alive
+  at::Tensor final_norm_;
+  std::vector<Layer> layers_;
+  int64_t num_heads_, num_kv_heads_, H_ = 0, I_ = 0, D_ = 0;
+  float scale_;
+  double eps_;
+};
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("decode_layers(Tensor(a!) x, Tensor[] weights, int[] linears, int num_heads, int num_kv_heads, "
-        "Tensor positions, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor seq_lens, float scale, "
-        "int context, float eps, Tensor final_norm) -> Tensor");
+  m.class_<DecodeLayers>("DecodeLayers")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, double, at::Tensor>())
+      .def("forward", &DecodeLayers::forward);
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("decode_layers", decode_layers);
-}
+#endif  // __AVX512VNNI__
