@@ -29,9 +29,7 @@ from torch import nn
 
 from tokenmill.layers.attention import AttentionContext, DecodeBucket, TorchPagedAttention
 from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket, fused_decode_attention
-from tokenmill.layers.cpu_kernels import (
-    decode_attention_rows_available, fused_ops_available, kernels_available, quant_gemv_q8_available,
-)
+from tokenmill.layers.cpu_kernels import decode_attention_rows_available, fused_ops_available, kernels_available
 from tokenmill.layers.linear import silu_and_mul
 from tokenmill.layers.quantized import GEMV_MAX_ROWS, InterleavedWeight, QuantizedLinear
 from tokenmill.models.llama import DecoderForCausalLM
@@ -71,9 +69,8 @@ class FusedLayers:
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         weights, linears = [], []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            for p in _projections(layer):
                 w = p.qweight
                 weights += [w.codes, w.scales, w.offsets]
                 linears += [w.bits, w.group_size, w.num_rows, int(p.activation_bits == 16)]
@@ -86,11 +83,9 @@ class FusedLayers:
     @staticmethod
     def applies(model: DecoderForCausalLM) -> bool:
         """Whether every layer can run in DecodeLayers (see the module docstring)."""
-        if os.environ.get("TOKENMILL_DECODE_LAYERS", "1") == "0" or not quant_gemv_q8_available():
+        if os.environ.get("TOKENMILL_DECODE_LAYERS", "1") == "0":
             return False
-        return all(layer.self_attn.q_norm is None and all(_runs_vnni(p) for p in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
-            for layer in model.layers)
+        return all(layer.self_attn.q_norm is None and all(map(_runs_vnni, _projections(layer))) for layer in model.layers)
 
     def __call__(self, x: torch.Tensor, rope, metadata) -> torch.Tensor:
         """x: the step's embeddings [T, hidden] (the residual stream, changed in place) -> the final norm's output."""
@@ -99,10 +94,14 @@ class FusedLayers:
                                    decode.block_table, decode.seq_lens, decode.context_len)
 
 
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 def _runs_vnni(module: nn.Module) -> bool:
     """Whether the module is a bias-free projection whose few rows go through quant_gemv_q8."""
     return (isinstance(module, QuantizedLinear) and isinstance(module.qweight, InterleavedWeight)
-            and module.bias is None and module.activation_bits in (8, 16))
+            and module.bias is None and module.few_row_kernel() is not None)
 
 
 class DecodePlan:

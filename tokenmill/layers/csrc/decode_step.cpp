@@ -1,4 +1,4 @@
-// A few-row decode step through every decoder layer in one op and one parallel region, for models
+// A few-row decode step through every decoder layer in one call and one parallel region, for models
 // whose linears all run the VNNI kernel (quant_gemv_q8.h) and whose attention is the paged kernel
 // (paged_decode.h). It computes what models/decode_plan.py computes, with the same row functions
 // in the same order, so the result is the plan's bit for bit; what it saves is the plan's ~10 op
