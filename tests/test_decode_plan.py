@@ -26,6 +26,18 @@ def _runner(model_dir, quantization: str | None) -> ModelRunner:
     return ModelRunner(loaded.model, num_blocks=8, block_size=16, device=torch.device("cpu"), dtype=torch.bfloat16)
 
 
+def _with_and_without(runner: ModelRunner, batch: ForwardInput, owner: object, name: str):
+    """runner.forward(batch) with owner.name as it is, then with it None (the second forward
+    rewrites the same cache slots with the same values)."""
+    kept = getattr(owner, name)
+    with_it = runner.forward(batch)
+    setattr(owner, name, None)
+    try:
+        return with_it, runner.forward(batch)
+    finally:
+        setattr(owner, name, kept)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("quantization", ["int4", "none"])
 def test_plan_equals_the_models_forward(tiny_model_dirs, arch, quantization, monkeypatch):
@@ -42,13 +54,9 @@ def test_plan_equals_the_models_forward(tiny_model_dirs, arch, quantization, mon
     runner.forward(ForwardInput(PROMPTS, [0, 0, 0], tables, [True] * 3))  # prefill: the model's forward
     assert not calls
     lengths = [len(p) for p in PROMPTS]
-    plan = runner.decode_plan
     for step, tokens in enumerate([[11, 12, 13], [7, 8, 9], [300, 1, 2]]):
         batch = ForwardInput([[t] for t in tokens], [n + step for n in lengths], tables, [True] * 3)
-        with_plan = runner.forward(batch)
-        runner.decode_plan = None  # rewrites the same cache slots with the same values
-        without = runner.forward(batch)
-        runner.decode_plan = plan
+        with_plan, without = _with_and_without(runner, batch, runner, "decode_plan")
         assert torch.equal(with_plan, without), f"step {step}: max diff {(with_plan - without).abs().max()}"
     assert len(calls) == 3
 
@@ -92,12 +100,8 @@ def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seq
     fused_call = FusedLayers.__call__
     monkeypatch.setattr(FusedLayers, "__call__", lambda self, *a: fused_calls.append(1) or fused_call(self, *a))
     prompts = [[(31 * i + j) % 900 + 1 for j in range(5 + 5 * i)] for i in range(num_seqs)]
-    fused = plan.fused
     for step, batch in enumerate(_decode_steps(runner, prompts, 8)):
-        with_fused = runner.forward(batch)
-        plan.fused = None  # rewrites the same cache slots with the same values
-        loop = runner.forward(batch)
-        plan.fused = fused
+        with_fused, loop = _with_and_without(runner, batch, plan, "fused")
         assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
     assert len(fused_calls) == 8
 
