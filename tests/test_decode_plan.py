@@ -7,7 +7,7 @@ import torch
 
 from tokenmill.layers.cpu_attention import default_attention_backend
 from tokenmill.layers.cpu_kernels import quant_gemv_q8_available
-from tokenmill.layers.quantized import QuantizedLinear
+from tokenmill.layers.quantized import InterleavedWeight, QuantizedLinear, quantize_rtn
 from tokenmill.models.decode_plan import DecodePlan, FusedLayers
 from tokenmill.models.loader import load_model
 from tokenmill.worker.forward_input import ForwardInput
@@ -110,3 +110,21 @@ def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seq
 def test_layers_with_biases_or_qk_norms_keep_the_loop(tiny_model_dirs, arch):
     runner = _runner(tiny_model_dirs[arch], "int4")
     assert runner.decode_plan is not None and runner.decode_plan.fused is None
+
+
+@pytest.mark.skipif(not quant_gemv_q8_available(), reason="DecodeLayers runs the VNNI kernel (AVX-512 VNNI)")
+def test_fused_layers_with_mixed_layouts(tiny_llama_dir):
+    """Projections of different bits, group sizes and activation bits in one model (as Q4_K_M
+    files mix them): still the Python loop's result bit for bit."""
+    model = load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), quantization="int4",
+                       with_tokenizer=False).model
+    for layer, bits, group in ((model.layers[0].mlp.down_proj, 8, 16), (model.layers[1].self_attn.qkv_proj, 8, 32),
+                               (model.layers[1].mlp.gate_up_proj, 4, 64)):
+        layer.qweight = InterleavedWeight.from_rows(quantize_rtn(layer.qweight.dequantize(), bits, group))
+    model.layers[0].self_attn.o_proj.activation_bits = 8  # one 8-bit part
+    runner = ModelRunner(model, num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert runner.decode_plan.fused is not None
+    prompts = [[(17 * i + j) % 700 + 1 for j in range(9 + 7 * i)] for i in range(5)]
+    for step, batch in enumerate(_decode_steps(runner, prompts, 4)):
+        with_fused, loop = _with_and_without(runner, batch, runner.decode_plan, "fused")
+        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
