@@ -118,20 +118,13 @@ struct Activations {
   }
 };
 
-// out [M, N] (T) = the activations times this thread's share of w's blocks, as quant_gemv_q8's run().
+// out [M, N] (T) = the activations times this thread's share of w's blocks.
 template <typename T, typename S>
 void gemv_share(const Linear& w, const Activations& a, int64_t M, int thread, int num_threads, float* local, T* out) {
   const auto [begin, end] = w.share(thread, num_threads);
   if (begin == end) return;
-  const int64_t width = (end - begin) * kLanes, n_end = std::min(w.N, end * kLanes);
-  const auto* scales = static_cast<const S*>(w.scales);
-  const auto* offsets = static_cast<const S*>(w.offsets);
-  for (int64_t m = 0; m < M; m += kPassRows) {
-    const int64_t count = std::min(kPassRows, M - m);
-    const GemvFn<S> gemv = w.two_parts ? select_gemv<true, S>(count, w.bits) : select_gemv<false, S>(count, w.bits);
-    gemv(a.rows + m, w.codes, scales, offsets, begin, end, w.groups(), w.G, local, width);
-    store_rows(local, width, out + m * w.N, w.N, count, begin * kLanes, n_end);
-  }
+  multiply_blocks(a.rows, M, w.codes, static_cast<const S*>(w.scales), static_cast<const S*>(w.offsets), w.bits, w.G,
+                  w.groups(), w.two_parts, begin, end, w.N, local, out);
 }
 
 template <typename T>

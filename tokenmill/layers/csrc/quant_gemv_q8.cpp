@@ -61,22 +61,15 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
   const S* scale_ptr = scales.data_ptr<S>();
   const S* offset_ptr = offsets.data_ptr<S>();
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    const int64_t width = (end - begin) * kLanes, n_end = std::min(N, end * kLanes);
-    std::vector<float> local(kPassRows * width);
-    for (int64_t m = 0; m < M; m += kPassRows) {
-      const int64_t count = std::min(kPassRows, M - m);
-      const GemvFn<S> gemv = two_parts ? select_gemv<true, S>(count, bits) : select_gemv<false, S>(count, bits);
-      gemv(rows.data() + m, code_ptr, scale_ptr, offset_ptr, begin, end, groups, G, local.data(), width);
-      switch (out.scalar_type()) {
-        case at::kFloat:
-          store_rows(local.data(), width, out.data_ptr<float>() + m * N, N, count, begin * kLanes, n_end);
-          break;
-        case at::kBFloat16:
-          store_rows(local.data(), width, out.data_ptr<c10::BFloat16>() + m * N, N, count, begin * kLanes, n_end);
-          break;
-        default:
-          store_rows(local.data(), width, out.data_ptr<c10::Half>() + m * N, N, count, begin * kLanes, n_end);
-      }
+    std::vector<float> local(kPassRows * (end - begin) * kLanes);
+    auto multiply = [&](auto* out_ptr) {
+      multiply_blocks(rows.data(), M, code_ptr, scale_ptr, offset_ptr, bits, G, groups, two_parts, begin, end, N,
+                      local.data(), out_ptr);
+    };
+    switch (out.scalar_type()) {
+      case at::kFloat: multiply(out.data_ptr<float>()); break;
+      case at::kBFloat16: multiply(out.data_ptr<c10::BFloat16>()); break;
+      default: multiply(out.data_ptr<c10::Half>());
     }
   });
 }

@@ -179,5 +179,20 @@ inline void store_rows(const float* src, int64_t src_stride, T* dst, int64_t dst
     for (int64_t n = begin; n < end; ++n) dst[r * dst_stride + n] = static_cast<T>(src[r * src_stride + n - begin]);
 }
 
+// out [M, N] (T) = M quantized activation rows times blocks [begin, end) of a weight, kPassRows
+// rows a pass; local: float scratch of kPassRows * 16 (end - begin).
+template <typename T, typename S>
+void multiply_blocks(const QuantizedRow* rows, int64_t M, const uint8_t* codes, const S* scales, const S* offsets,
+                     int64_t bits, int64_t G, int64_t groups, bool two_parts, int64_t begin, int64_t end, int64_t N,
+                     float* local, T* out) {
+  const int64_t width = (end - begin) * kLanes, n_end = std::min(N, end * kLanes);
+  for (int64_t m = 0; m < M; m += kPassRows) {
+    const int64_t count = std::min(kPassRows, M - m);
+    const GemvFn<S> gemv = two_parts ? select_gemv<true, S>(count, bits) : select_gemv<false, S>(count, bits);
+    gemv(rows + m, codes, scales, offsets, begin, end, groups, G, local, width);
+    store_rows(local, width, out + m * N, N, count, begin * kLanes, n_end);
+  }
+}
+
 }  // namespace tokenmill_q8
 #endif  // __AVX512VNNI__
