@@ -273,11 +273,58 @@ def test_gemm_kernel_refuses_what_it_cannot_take():
         torch.ops.tokenmill.quant_gemm(torch.randn(9, 64).bfloat16(), *args, 3)
 
 
+needs_gemm_q8 = pytest.mark.skipif(not (gemm_backends() and quant_gemv_q8_available()),
+                                   reason="quant_gemm_q8 needs AVX-512 VNNI and BF16")
+
+
+def rounded_to_8_bits(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as quant_gemm_q8 rounds it, in float64: per group of columns, d = max |x| / 127 and
+    round(x * (127 / max |x|)) (float32, to nearest even) times d."""
+    rows = x.shape[0]
+    x32 = x.float().view(rows, -1, group)
+    top = x32.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, 0.0)  # (127.0 / top is 127 * (1 / top))
+    return (torch.round(x32 * inverse).double() * (top / 127.0).double()).view(rows, -1)
+
+
+@needs_gemm_q8
+@pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 16), (4, 16), (8, 64), (4, 128)]))
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64, 129])
+@pytest.mark.parametrize("outputs", [45, 96])  # a padded last block; an odd number of blocks (6) and 3 pairs
+def test_gemm_q8_kernel_equals_the_product_with_rows_rounded_to_8_bits(bits, group, cols, rows, outputs):
+    """Many bf16 rows through vpdpbusd: exactly the float64 product of the weight with x rounded to
+    8 bits per group (offsets included: they meet the rounded rows), up to float32 sums and the
+    output's bf16 rounding; and within that rounding's own bound of the exact product."""
+    q = random_weight(outputs, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    w = InterleavedWeight.from_rows(q)
+    got = torch.ops.tokenmill.quant_gemm_q8(x, w.codes, w.scales, w.offsets, bits, group, outputs)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
+    weight, rounded = reference_weight(q), rounded_to_8_bits(x, group)
+    want = rounded @ weight.T
+    bound = want.abs() * 2**-8 + 1e-5 * (rounded.abs() @ weight.abs().T)
+    error = (got.double() - want).abs()
+    assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
+    exact = x.double() @ weight.T
+    rounding = (x.double() - rounded).abs() @ weight.abs().T  # |sum w e| <= sum |w| |e|
+    assert ((got.double() - exact).abs() <= rounding + bound).all()
+
+
+@needs_gemm_q8
+def test_gemm_q8_kernel_refuses_what_it_cannot_take():
+    q = InterleavedWeight.from_rows(random_weight(32, 64, 4, 32))
+    args = (q.codes, q.scales, q.offsets, 4, 32, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.tokenmill.quant_gemm_q8(torch.randn(9, 64), *args)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        torch.ops.tokenmill.quant_gemm_q8(torch.randn(9, 128).bfloat16(), *args)
+
+
 @needs_q8_kernel
 @pytest.mark.skipif(not gemm_backends(), reason="quant_gemm needs AVX-512 BF16")
 def test_which_kernel_many_bf16_rows_take(monkeypatch):
-    """Past 8 rows an interleaved bf16 layer multiplies with quant_gemm where it is available, else
-    with its weight dequantized for the call (or a packed copy, where it was given one)."""
+    """Past 8 rows an interleaved bf16 layer multiplies with quant_gemm where it is available (with
+    quant_gemm_q8 where that is: no AMX), else with its weight dequantized for the call (or a packed copy, where it was given one)."""
     q = random_weight(64, 576, 4, 32)
     layer = QuantizedLinear(InterleavedWeight.from_rows(q))
     x = torch.randn(40, 576).bfloat16()
@@ -285,14 +332,19 @@ def test_which_kernel_many_bf16_rows_take(monkeypatch):
     real = quantized._gemm_matmul
     monkeypatch.setattr(quantized, "_gemm_matmul", lambda *args: calls.append(len(args[0])) or real(*args))
     monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: True)
+    monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: False)
     assert torch.equal(layer(x), gemm(x, q, 0)) and calls == [40]
     layer(x[:8])  # the VNNI kernel's rows
     layer(x.float())  # not bf16
     assert calls == [40]
+    monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: True)  # CPUs without AMX
+    w = layer.qweight
+    assert torch.equal(layer(x), torch.ops.tokenmill.quant_gemm_q8(x, w.codes, w.scales, w.offsets, 4, 32, 64))
+    assert calls == [40, 40]
     monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: False)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, q.dequantize(torch.bfloat16)), rtol=0,
                                atol=1e-2)
-    assert calls == [40]
+    assert calls == [40, 40]
 
 
 def test_interleaving_a_model_keeps_a_tied_table_shared():
@@ -463,6 +515,7 @@ def test_bf16_gguf_batches_read_the_codes_and_match_the_packed_copy(tmp_path, mo
     assert packed.model.layers[1].mlp.down_proj.batched is not None
     prompt = [5, 17, 123, 42, 7, 250, 3, 99, 11, 64, 8, 200]
     monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: True)
+    monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: False)  # bf16 products
     tokens, logits = _greedy(reading, prompt, 8)
     want_tokens, want_logits = _greedy(packed, prompt, 8)
     assert tokens == want_tokens

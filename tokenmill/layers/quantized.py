@@ -20,7 +20,9 @@ one lane per output row, so it needs no horizontal sums and reads the weights at
 More rows (prefill, large decode batches) of a bf16 model go, on CPUs with AMX or AVX-512 BF16,
 through csrc/quant_gemm.cpp, which dequantizes the interleaved weight into cache-sized bf16
 panels as it multiplies (on AMX tiles, else vdpbf16ps), so no bf16 copy of the weights is kept
-(cpu_kernels.quant_gemm_available says where). Elsewhere they use `batched`, a dense module over the dequantized weight that
+(cpu_kernels.quant_gemm_available says where); with TOKENMILL_INT8_GEMM=1 on CPUs with VNNI but
+no AMX, through csrc/quant_gemm_q8.cpp instead, which rounds the rows to 8 bits per group and
+multiplies the codes with vpdpbusd (~1.1-1.3x; +0.3-0.4% perplexity over the bf16 products). Elsewhere they use `batched`, a dense module over the dequantized weight that
 layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none, a call
 dequantizes the weight for itself. CPUs with AVX2 but no AVX-512 have quant_gemv and the
 dequantizer only (csrc/quant_gemv_avx2.cpp): few rows read the codes there too. Without any
@@ -38,7 +40,8 @@ from torch import nn
 
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.cpu_kernels import (
-    quant_gemm_available, quant_gemv_available, quant_gemv_i8_available, quant_gemv_q8_available,
+    quant_gemm_available, quant_gemm_q8_available, quant_gemv_available, quant_gemv_i8_available,
+    quant_gemv_q8_available,
 )
 
 CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
@@ -299,6 +302,9 @@ def _vnni_matmul(x: torch.Tensor, q: InterleavedWeight, two_parts: bool) -> torc
 
 
 def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight) -> torch.Tensor:
+    if _gemm_q8_kernel_available():
+        return torch.ops.tokenmill.quant_gemm_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
+                                                         q.num_rows)
     return torch.ops.tokenmill.quant_gemm.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, q.num_rows)
 
 
@@ -307,6 +313,7 @@ _kernel_available = quant_gemv_available
 _q8_kernel_available = quant_gemv_q8_available
 _i8_kernel_available = quant_gemv_i8_available
 _gemm_kernel_available = quant_gemm_available
+_gemm_q8_kernel_available = quant_gemm_q8_available
 
 
 class QuantizedLinear(nn.Module):

@@ -35,8 +35,10 @@ struct QuantizedRow {
   float* sums;
 };
 
+// sums_of_codes: X[g] = d[g] * sum q over the group (the rounded activations' sum) instead of the
+// exact sum of x.
 template <typename X>
-inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
+inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row, bool sums_of_codes = false) {
   for (int64_t g = 0; g < K / G; ++g) {
     __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
     for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
@@ -48,15 +50,18 @@ inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
     row.d[g] = top / 127.0f;
     row.sums[g] = _mm512_reduce_add_ps(sum);
     const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+    __m512i code_sum = _mm512_setzero_si512();
     for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
-      const __m512 steps = _mm512_mul_ps(load(x + k, 16), inverse);  // x / d
+      const __m512 steps = _mm512_mul_ps(load(x + k, 16), inverse);  // x / d, |x / d| <= 127
       const __m512i rounded = _mm512_cvtps_epi32(steps);
+      code_sum = _mm512_add_epi32(code_sum, rounded);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + k), _mm512_cvtsepi32_epi8(rounded));
       if (row.q2 != nullptr) {  // (x / d - q) in [-1/2, 1/2], in 254ths
         const __m512 error = _mm512_mul_ps(_mm512_sub_ps(steps, _mm512_cvtepi32_ps(rounded)), _mm512_set1_ps(254.0f));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q2 + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(error)));
       }
     }
+    if (sums_of_codes) row.sums[g] = row.d[g] * static_cast<float>(_mm512_reduce_add_epi32(code_sum));
   }
 }
 
