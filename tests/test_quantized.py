@@ -262,15 +262,20 @@ def test_gemm_kernel_equals_the_bf16_weights_product(bits, group, cols, rows, ou
 
 
 @pytest.mark.skipif(not gemm_backends(), reason="quant_gemm needs AVX-512 BF16")
-def test_gemm_kernel_refuses_what_it_cannot_take():
+@pytest.mark.parametrize("name", ["quant_gemm", "quant_gemm_q8"])
+def test_gemm_kernels_refuse_what_they_cannot_take(name):
+    if name == "quant_gemm_q8" and not quant_gemv_q8_available():
+        pytest.skip("quant_gemm_q8 needs AVX-512 VNNI")
+    op = getattr(torch.ops.tokenmill, name)
     q = InterleavedWeight.from_rows(random_weight(32, 64, 4, 32))
     args = (q.codes, q.scales, q.offsets, 4, 32, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.tokenmill.quant_gemm(torch.randn(9, 64), *args)
+        op(torch.randn(9, 64), *args)
     with pytest.raises(RuntimeError, match="codes must be"):
-        torch.ops.tokenmill.quant_gemm(torch.randn(9, 128).bfloat16(), *args)
-    with pytest.raises(RuntimeError, match="backend"):
-        torch.ops.tokenmill.quant_gemm(torch.randn(9, 64).bfloat16(), *args, 3)
+        op(torch.randn(9, 128).bfloat16(), *args)
+    if name == "quant_gemm":
+        with pytest.raises(RuntimeError, match="backend"):
+            op(torch.randn(9, 64).bfloat16(), *args, 3)
 
 
 needs_gemm_q8 = pytest.mark.skipif(not (gemm_backends() and quant_gemv_q8_available()),
@@ -308,16 +313,6 @@ def test_gemm_q8_kernel_equals_the_product_with_rows_rounded_to_8_bits(bits, gro
     exact = x.double() @ weight.T
     rounding = (x.double() - rounded).abs() @ weight.abs().T  # |sum w e| <= sum |w| |e|
     assert ((got.double() - exact).abs() <= rounding + bound).all()
-
-
-@needs_gemm_q8
-def test_gemm_q8_kernel_refuses_what_it_cannot_take():
-    q = InterleavedWeight.from_rows(random_weight(32, 64, 4, 32))
-    args = (q.codes, q.scales, q.offsets, 4, 32, 32)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.tokenmill.quant_gemm_q8(torch.randn(9, 64), *args)
-    with pytest.raises(RuntimeError, match="codes must be"):
-        torch.ops.tokenmill.quant_gemm_q8(torch.randn(9, 128).bfloat16(), *args)
 
 
 @needs_q8_kernel
