@@ -167,7 +167,10 @@ def test_q8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = q8_matmul(x, q, two_parts)
     assert got.dtype == dtype and got.shape == (rows, 45)
-    assert_within_rounding(got, x, q, 254 if two_parts else 1)  # the second part: in 254ths of a step
+    if two_parts:
+        assert_within_rounding(got, x, q, 254)  # the second part: in 254ths of a step
+    else:  # one part: the product of x rounded as quant_gemm_q8 rounds it (offsets included)
+        assert_is_the_rounded_product(got, x, q)
 
 
 @needs_q8_kernel
@@ -305,21 +308,46 @@ def test_gemm_q8_kernel_equals_the_product_with_rows_rounded_to_8_bits(bits, gro
     w = InterleavedWeight.from_rows(q)
     got = torch.ops.tokenmill.quant_gemm_q8(x, w.codes, w.scales, w.offsets, bits, group, outputs)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, outputs)
-    weight, rounded = reference_weight(q), rounded_to_8_bits(x, group)
+    assert_is_the_rounded_product(got, x, q)
+
+
+def assert_is_the_rounded_product(got: torch.Tensor, x: torch.Tensor, q: QuantizedWeight) -> None:
+    """got is the float64 product of the weight with x rounded to 8 bits per group, up to float32
+    sums and (bf16 results) the output's rounding; and within that rounding's bound of x @ W.T."""
+    weight, rounded = reference_weight(q), rounded_to_8_bits(x, q.group_size)
     want = rounded @ weight.T
-    bound = want.abs() * 2**-8 + 1e-5 * (rounded.abs() @ weight.abs().T)
+    bound = 1e-5 * (rounded.abs() @ weight.abs().T)
+    if got.dtype == torch.bfloat16:
+        bound += want.abs() * 2**-8
     error = (got.double() - want).abs()
     assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
     exact = x.double() @ weight.T
     rounding = (x.double() - rounded).abs() @ weight.abs().T  # |sum w e| <= sum |w| |e|
     assert ((got.double() - exact).abs() <= rounding + bound).all()
+    assert (got.double() - exact).abs().max() > 0
+
+
+@needs_gemm_q8
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16), (4, 128)])
+def test_few_rows_in_8_bits_equal_those_rows_in_a_batch(bits, group):
+    """One-part quant_gemv_q8 (decode rows, where batches take quant_gemm_q8) gives each row exactly
+    what quant_gemm_q8 gives it among many: greedy text must not depend on how rows were batched."""
+    q = random_weight(80, 256, bits, group, seed=bits + group, half=bits == 4)
+    w = InterleavedWeight.from_rows(q)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(group)).bfloat16()
+    batch = torch.ops.tokenmill.quant_gemm_q8(x, w.codes, w.scales, w.offsets, bits, group, 80)
+    for start, count in ((0, 1), (1, 2), (5, 3), (9, 4), (17, 5), (30, 8)):
+        few = torch.ops.tokenmill.quant_gemv_q8(x[start : start + count], w.codes, w.scales, w.offsets, bits, group,
+                                                80, False)
+        assert torch.equal(few, batch[start : start + count])
 
 
 @needs_q8_kernel
 @pytest.mark.skipif(not gemm_backends(), reason="quant_gemm needs AVX-512 BF16")
 def test_which_kernel_many_bf16_rows_take(monkeypatch):
     """Past 8 rows an interleaved bf16 layer multiplies with quant_gemm where it is available (with
-    quant_gemm_q8 where that is: no AMX), else with its weight dequantized for the call (or a packed copy, where it was given one)."""
+    quant_gemm_q8 where that is and the layer rounds its rows to 8 bits), else with its weight
+    dequantized for the call (or a packed copy, where it was given one)."""
     q = random_weight(64, 576, 4, 32)
     layer = QuantizedLinear(InterleavedWeight.from_rows(q))
     x = torch.randn(40, 576).bfloat16()
@@ -333,13 +361,15 @@ def test_which_kernel_many_bf16_rows_take(monkeypatch):
     layer(x.float())  # not bf16
     assert calls == [40]
     monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: True)  # CPUs without AMX
+    assert torch.equal(layer(x), gemm(x, q, 0)) and calls == [40, 40]  # the layer keeps 16 bits
+    layer.activation_bits = 8
     w = layer.qweight
     assert torch.equal(layer(x), torch.ops.tokenmill.quant_gemm_q8(x, w.codes, w.scales, w.offsets, 4, 32, 64))
-    assert calls == [40, 40]
+    assert calls == [40, 40, 40]
     monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: False)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, q.dequantize(torch.bfloat16)), rtol=0,
                                atol=1e-2)
-    assert calls == [40, 40]
+    assert calls == [40, 40, 40]
 
 
 def test_interleaving_a_model_keeps_a_tied_table_shared():
@@ -502,6 +532,7 @@ def test_bf16_gguf_batches_read_the_codes_and_match_the_packed_copy(tmp_path, mo
     path = tmp_path / "tiny-llama.gguf"
     write_tiny_gguf(path, "llama")
     cpu = torch.device("cpu")
+    monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: False)  # bf16 products
     reading = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
     monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: False)
     packed = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
@@ -510,13 +541,36 @@ def test_bf16_gguf_batches_read_the_codes_and_match_the_packed_copy(tmp_path, mo
     assert packed.model.layers[1].mlp.down_proj.batched is not None
     prompt = [5, 17, 123, 42, 7, 250, 3, 99, 11, 64, 8, 200]
     monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: True)
-    monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: False)  # bf16 products
     tokens, logits = _greedy(reading, prompt, 8)
     want_tokens, want_logits = _greedy(packed, prompt, 8)
     assert tokens == want_tokens
     for a, b in zip(logits, want_logits):
         assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
     assert not all(torch.equal(a, b) for a, b in zip(logits, want_logits))  # two different paths ran
+
+
+@needs_gemm_q8
+def test_bf16_gguf_rounds_few_rows_as_its_batches_do(tmp_path, monkeypatch):
+    """Where batches take quant_gemm_q8 (VNNI, no AMX), the loader gives every quantized linear's
+    few-row kernel the same 8-bit rounding, so a row's product does not depend on its batch; with
+    the int8 batches off, few rows keep two 8-bit parts."""
+    from test_gguf import write_tiny_gguf
+
+    from tokenmill.models.loader import load_model
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(path, "llama")
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: True)
+    eight = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
+    layers = [m for m in eight.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) >= 5 and all(m.activation_bits == 8 for m in layers)
+    for layer in layers:
+        x = torch.randn(20, layer.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+        assert torch.equal(layer(x[3:6]), layer(x)[3:6])
+    monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: False)
+    sixteen = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
+    assert all(m.activation_bits == 16 for m in sixteen.model.modules() if isinstance(m, QuantizedLinear))
 
 
 @pytest.mark.parametrize("bits", [8, 4])

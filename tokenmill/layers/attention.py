@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.cpu_kernels import decode_attention_rows_available
+from tokenmill.layers.cpu_kernels import decode_attention_rows_available, prefill_attention_available
 
 
 @dataclass(frozen=True)
@@ -279,6 +279,10 @@ class TorchPagedAttention:
         """Chunks with nothing cached attend to their own keys and values, causally, one SDPA call
         each: no gather from the cache, no padding to the longest chunk, no mask tensor."""
         num_heads, head_dim = q.shape[1], q.shape[2]
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and head_dim % 32 == 0 and _prefill_kernel_available():
+            starts, lengths = torch.tensor(chunks, dtype=torch.int64).view(-1, 2).unbind(1)
+            torch.ops.tokenmill.prefill_attention_.default(out, q, k, v, starts, lengths, scale)
+            return
         for start, length in chunks:
             rows = slice(start, start + length)
             attn = F.scaled_dot_product_attention(
@@ -334,7 +338,9 @@ class TorchPagedAttention:
         return attn.reshape(batch, max_q, num_heads * head_dim)[bucket.valid]
 
 
-_rows_kernel_available = decode_attention_rows_available  # a name of this module's own, for tests to switch off
+# names of this module's own, for tests to switch the kernels off
+_rows_kernel_available = decode_attention_rows_available
+_prefill_kernel_available = prefill_attention_available
 
 
 @dataclass

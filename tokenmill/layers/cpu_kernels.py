@@ -4,7 +4,8 @@ One extension holds them all: paged decode attention (paged_decode.cpp), quantiz
 matrix-vector products with float32 activations (quant_gemv.cpp) and, on CPUs with AVX-512
 VNNI, with 8-bit ones (quant_gemv_q8.cpp), the same weights against many bf16 rows on AMX or
 AVX-512 BF16 (quant_gemm.cpp) or, opt-in without AMX, with the rows rounded to 8 bits on VNNI
-(quant_gemm_q8.cpp), and the small fused steps of every layer
+(quant_gemm_q8.cpp), causal attention of fresh bf16 prompts on AVX-512 BF16 (prefill_attention.cpp),
+and the small fused steps of every layer
 (fused_ops.cpp: RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write).
 The build takes ~15 s once and is cached by torch.utils.cpp_extension under
 ~/.cache/torch_extensions, keyed by this CPU's feature flags and the sources
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in (
     "paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "quant_gemm.cpp", "quant_gemm_q8.cpp", "fused_ops.cpp",
-    "decode_step.cpp")]
+    "decode_step.cpp", "prefill_attention.cpp")]
 AVX2_SOURCES = [CSRC / name for name in ("quant_gemv_avx2.cpp", "fused_ops.cpp", "decode_attention_rows.cpp")]
 HEADERS = [CSRC / name for name in ("vec_math.h", "quant_layout.h", "quant_gemv_q8.h", "paged_decode.h", "fused_rows.h")]  # in the build fingerprint too
 AVX2_FLAGS = {"avx2", "fma", "f16c"}
@@ -112,6 +113,12 @@ def decode_attention_rows_available() -> bool:
 
 
 @functools.cache
+def prefill_attention_available() -> bool:
+    """prefill_attention_ (causal attention of fresh bf16 prompt chunks) needs AVX-512 BF16."""
+    return kernels_available() and "avx512_bf16" in cpu_flags()
+
+
+@functools.cache
 def quant_gemv_q8_available() -> bool:
     """The 8-bit-activation kernel is built only where the compiler targets AVX-512 VNNI."""
     return kernels_available() and "avx512_vnni" in cpu_flags()
@@ -132,8 +139,10 @@ def quant_gemm_q8_available() -> bool:
     """Whether batches of bf16 rows multiply quantized weights with quant_gemm_q8.cpp (activations
     rounded to 8 bits per group, vpdpbusd) rather than quant_gemm.cpp's bf16 products: opt-in with
     TOKENMILL_INT8_GEMM=1, on CPUs with AVX-512 VNNI and BF16 but no AMX (AMX tiles multiply bf16
-    faster than VNNI does 8 bits). Not the default: prompts then round to 8 bits where decode rows
-    keep ~16, so a greedy continuation can differ between a prefix-cache hit and a miss."""
+    faster than VNNI does 8 bits). The loader then rounds few-row products to the same 8 bits
+    (quantized.round_rows_like_batches), so caching and batching do not change greedy text. Not
+    the default: ~8-15% faster prefill here, but the default model's logits then move up to ~1.7
+    from float32's where bf16 products move them ~1.3 (tests/test_default_model.py's near-ties)."""
     if os.environ.get("TOKENMILL_INT8_GEMM", "0") != "1" or not quant_gemm_available():
         return False
     return "avx512_vnni" in cpu_flags() and torch.ops.tokenmill.quant_gemm_backends() == 1

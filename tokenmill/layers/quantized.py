@@ -15,14 +15,17 @@ the loader re-lays each linear's weight out once as an InterleavedWeight (16 out
 side per group, the operand layout of vpdpbusd) for csrc/quant_gemv_q8.cpp, which rounds the
 activations per group of the weight's to a layer's `activation_bits`: 16 by default (two 8-bit
 parts, ~exact: the default model's perplexity on the decode path is bf16's to 0.01%) or 8 (as
-llama.cpp does: +1.3% perplexity; benchmarks/perplexity.py). That kernel's integer sums stay in
+llama.cpp does; the offsets then take the rounded rows' sums: int8 weights +0.44% perplexity on
+the decode path; benchmarks/perplexity.py). That kernel's integer sums stay in
 one lane per output row, so it needs no horizontal sums and reads the weights at memory speed.
 More rows (prefill, large decode batches) of a bf16 model go, on CPUs with AMX or AVX-512 BF16,
 through csrc/quant_gemm.cpp, which dequantizes the interleaved weight into cache-sized bf16
 panels as it multiplies (on AMX tiles, else vdpbf16ps), so no bf16 copy of the weights is kept
 (cpu_kernels.quant_gemm_available says where); with TOKENMILL_INT8_GEMM=1 on CPUs with VNNI but
 no AMX, through csrc/quant_gemm_q8.cpp instead, which rounds the rows to 8 bits per group and
-multiplies the codes with vpdpbusd (~1.1-1.3x; +0.3-0.4% perplexity over the bf16 products). Elsewhere they use `batched`, a dense module over the dequantized weight that
+multiplies the codes with vpdpbusd (~1.1-1.3x; +0.3-0.4% perplexity over the bf16 products); the
+loader then sets every layer's activation_bits to 8 (round_rows_like_batches), which is what
+sends its batches there, and its few rows get the same rounding, bit for bit. Elsewhere they use `batched`, a dense module over the dequantized weight that
 layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none, a call
 dequantizes the weight for itself. CPUs with AVX2 but no AVX-512 have quant_gemv and the
 dequantizer only (csrc/quant_gemv_avx2.cpp): few rows read the codes there too. Without any
@@ -277,7 +280,7 @@ def quantized_matmul(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bi
     if uses_kernel(x):
         return _kernel_matmul(x, qweight, activation_bits)
     if uses_gemm_kernel(x, qweight):
-        return _gemm_matmul(x, qweight)
+        return _gemm_matmul(x, qweight, activation_bits)
     return F.linear(x, qweight.dequantize(x.dtype))
 
 
@@ -301,8 +304,8 @@ def _vnni_matmul(x: torch.Tensor, q: InterleavedWeight, two_parts: bool) -> torc
                                                      q.num_rows, two_parts)
 
 
-def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight) -> torch.Tensor:
-    if _gemm_q8_kernel_available():
+def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight, activation_bits: int | None = 8) -> torch.Tensor:
+    if activation_bits == 8 and _gemm_q8_kernel_available():
         return torch.ops.tokenmill.quant_gemm_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
                                                          q.num_rows)
     return torch.ops.tokenmill.quant_gemm.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, q.num_rows)
@@ -325,7 +328,9 @@ class QuantizedLinear(nn.Module):
         self.bias = bias
         self.out_features, self.in_features = qweight.shape
         self.batched: nn.Module | None = None  # the dense module for many rows, where one was made
-        self.activation_bits: int | None = 16  # what a few-row kernel may round inputs to (None: float32)
+        # what a few-row kernel may round inputs to (None: float32); 8 also sends batches to
+        # quant_gemm_q8 where that runs (round_rows_like_batches)
+        self.activation_bits: int | None = 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if uses_kernel(x):
@@ -333,7 +338,7 @@ class QuantizedLinear(nn.Module):
         elif self.batched is not None:
             return self.batched(x)
         elif uses_gemm_kernel(x, self.qweight):
-            out = _gemm_matmul(x, self.qweight)
+            out = _gemm_matmul(x, self.qweight, self.activation_bits)
         else:
             out = F.linear(x, self.qweight.dequantize(x.dtype))
         return out if self.bias is None else out + self.bias
@@ -412,6 +417,21 @@ def batches_read_codes(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether many rows multiply straight from the interleaved codes (csrc/quant_gemm.cpp), so
     that quantized linears need no packed bf16 copy."""
     return dtype == torch.bfloat16 and interleaving_pays(device, dtype) and _gemm_kernel_available()
+
+
+def rounds_rows_to_8_bits(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether many rows of this device and dtype go through quant_gemm_q8 (8-bit activations)."""
+    return batches_read_codes(device, dtype) and _gemm_q8_kernel_available()
+
+
+def round_rows_like_batches(model: nn.Module) -> None:
+    """Give every quantized linear's few-row kernel the 8-bit rounding that quant_gemm_q8 gives
+    batches (one part, the same sums): a row's product is then the same, bit for bit, whether it
+    came alone (decode, a prefix-cache hit's last few tokens) or among many (a prompt), so greedy
+    text does not depend on caching or batching."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear) and module.activation_bits is not None:
+            module.activation_bits = 8
 
 
 def describe_weight_formats(model: nn.Module, dtype: torch.dtype) -> str:

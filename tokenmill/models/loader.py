@@ -15,6 +15,7 @@ from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, pa
 from tokenmill.layers.parallel import Communicator
 from tokenmill.layers.quantized import (
     batches_read_codes, describe_weight_formats, interleave_weights, interleaving_pays, quantize_linear_layers,
+    round_rows_like_batches, rounds_rows_to_8_bits,
 )
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
@@ -120,6 +121,8 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
     maybe_pack_weights(net, dtype, device)
     if interleaving_pays(device, dtype):  # after packing: that dequantizes from the row layout
         interleave_weights(net)
+        if rounds_rows_to_8_bits(device, dtype):
+            round_rows_like_batches(net)
     return net, config, context
 
 

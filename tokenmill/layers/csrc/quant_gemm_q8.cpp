@@ -152,8 +152,7 @@ at::Tensor quant_gemm_q8(const at::Tensor& x_in, const at::Tensor& codes, const 
   const c10::BFloat16* xs = x.data_ptr<c10::BFloat16>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      quantize_row(xs + m * K, K, G, {q.data() + m * K, nullptr, d.data() + m * groups, sums.data() + m * groups},
-                   /*sums_of_codes=*/true);
+      quantize_row(xs + m * K, K, G, {q.data() + m * K, nullptr, d.data() + m * groups, sums.data() + m * groups});
   });
   const Activations a{q.data(), d.data(), sums.data(), K, groups};
   at::Tensor out = at::empty({M, N}, x.options());

@@ -35,10 +35,12 @@ struct QuantizedRow {
   float* sums;
 };
 
-// sums_of_codes: X[g] = d[g] * sum q over the group (the rounded activations' sum) instead of the
-// exact sum of x.
+// X[g] is the exact sum of x over the group with two parts; with one, d[g] * sum q (the rounded
+// activations' sum), so that the offset term meets the rounding error too: the weight s u + o is
+// then multiplied centred, not s u alone (half the error on Q4_1-style weights), and one-part rows
+// give the same sums here as in quant_gemm_q8.cpp, bit for bit.
 template <typename X>
-inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row, bool sums_of_codes = false) {
+inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
   for (int64_t g = 0; g < K / G; ++g) {
     __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
     for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
@@ -61,7 +63,7 @@ inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row, boo
         _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q2 + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(error)));
       }
     }
-    if (sums_of_codes) row.sums[g] = row.d[g] * static_cast<float>(_mm512_reduce_add_epi32(code_sum));
+    if (row.q2 == nullptr) row.sums[g] = row.d[g] * static_cast<float>(_mm512_reduce_add_epi32(code_sum));
   }
 }
 
