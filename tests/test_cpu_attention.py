@@ -7,9 +7,11 @@ import shutil
 import pytest
 import torch
 
+from tokenmill.layers import cpu_attention
 from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
 from tokenmill.layers.cpu_attention import (
     CpuPagedAttention,
+    KernelPrefillChunks,
     default_attention_backend,
     kernel_supports,
     load_cpu_kernels,
@@ -161,11 +163,20 @@ def test_decode_only_metadata_equals_the_general_paths():
     assert fast.decode.context_len == general.decode.context_len and fast.decode.covers_batch
 
 
-def test_prefills_with_nothing_cached_skip_the_padded_bucket():
+def test_prefills_with_nothing_cached_skip_the_padded_bucket(monkeypatch):
+    """Fresh chunks attend to their own keys (no bucket); chunks after cached tokens go to the paged
+    kernel as they are (bf16 on AVX-512 BF16 CPUs), else into the padded bucket."""
     geometry = CacheGeometry(block_size=16, num_blocks=40, num_kv_heads=3, num_query_groups=3, head_dim=64,
                              dtype=torch.bfloat16, device=torch.device("cpu"))
     # a fresh prompt, a decode, a chunk after 32 cached tokens, another fresh prompt
-    md = CpuPagedAttention().build_metadata([5, 1, 7, 3], [0, 9, 32, 0], [[1], [2], [3, 4, 5], [6]], geometry)
+    steps = ([5, 1, 7, 3], [0, 9, 32, 0], [[1], [2], [3, 4, 5], [6]], geometry)
+    monkeypatch.setattr(cpu_attention, "_prefill_kernel_available", lambda: True)
+    md = CpuPagedAttention().build_metadata(*steps)
     assert md.fresh_prefills == [(0, 5), (13, 3)]  # (first flat token, tokens)
-    assert md.prefill is not None and md.prefill.valid.shape == (1, 7)  # only the chunk after cached tokens
+    assert isinstance(md.prefill, KernelPrefillChunks)  # only the chunk after cached tokens
+    assert (md.prefill.starts.tolist(), md.prefill.lengths.tolist(), md.prefill.context_lens.tolist()) == ([6], [7], [32])
+    assert md.prefill.block_table.tolist() == [[3, 4, 5]]
     assert md.decode is not None and not md.decode.covers_batch
+    monkeypatch.setattr(cpu_attention, "_prefill_kernel_available", lambda: False)
+    md = CpuPagedAttention().build_metadata(*steps)
+    assert md.prefill is not None and md.prefill.valid.shape == (1, 7)

@@ -127,3 +127,95 @@ def test_sdpa_where_the_kernel_does_not_apply(monkeypatch):
     for start, length in md.fresh_prefills:
         torch.testing.assert_close(out[start : start + length].double(), reference(q, k, v, start, length, 0.2),
                                    rtol=1e-5, atol=1e-5)
+
+
+def paged_cache(k: torch.Tensor, v: torch.Tensor, sequences: list[tuple[int, int]], block_size: int, seed: int):
+    """k, v [T, Hkv, D] of sequences (first row, tokens) written into a paged cache in the CPU
+    backend's layout (keys by column pairs, values by row), their blocks scattered over the pool;
+    returns the caches and each sequence's block table (padded with its first block)."""
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    needed = [-(-length // block_size) for _, length in sequences]
+    order = torch.randperm(sum(needed) + 3, generator=torch.Generator().manual_seed(seed)).tolist()
+    k_cache = torch.zeros(kv_heads, len(order), block_size, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    by_column = k_cache.view(kv_heads, len(order), head_dim // 2, block_size, 2)
+    tables = []
+    for (first, length), count in zip(sequences, needed):
+        blocks, order = order[:count], order[count:]
+        tables.append(blocks + [blocks[0]] * (max(needed) - count))
+        for t in range(length):
+            block, row = blocks[t // block_size], t % block_size
+            by_column[:, block, :, row, :] = k[first + t].view(kv_heads, head_dim // 2, 2)
+            v_cache[:, block, row] = v[first + t]
+    return k_cache, v_cache, torch.tensor(tables, dtype=torch.int64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [16, 32, 8])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128)])
+def test_paged_kernel_equals_attention_after_cached_tokens(block_size, heads, kv_heads, head_dim):
+    """Chunks after 0..100 cached tokens, read through scattered blocks: query i of a chunk is the
+    float64 attention of its sequence's keys 0 .. context + i, within bf16 rounding."""
+    sequences = [(0, 1, 5), (10, 3, 16), (40, 16, 17), (80, 40, 100), (300, 7, 0)]  # (first row, chunk, context)
+    tokens = 320
+    q, k, v = fused_qkv(tokens, heads, kv_heads, head_dim, seed=block_size + head_dim)
+    k_cache, v_cache, table = paged_cache(k, v, [(first, ctx + n) for first, n, ctx in sequences], block_size, 1)
+    # the chunk's queries are the sequence's last rows; put them at rows starts (any place in the step)
+    starts = torch.tensor([200 + 50 * i for i in range(len(sequences))][:4] + [10], dtype=torch.int64)
+    qs = torch.zeros(tokens + 100, heads, head_dim, dtype=torch.bfloat16)
+    for (first, n, ctx), start in zip(sequences, starts.tolist()):
+        qs[start : start + n] = q[first + ctx : first + ctx + n]
+    out = torch.full((tokens + 100, heads * head_dim), 7.0, dtype=torch.bfloat16)
+    lengths = torch.tensor([n for _, n, _ in sequences])
+    context = torch.tensor([ctx for _, _, ctx in sequences])
+    torch.ops.tokenmill.paged_prefill_attention_(out, qs, k_cache, v_cache, table, context, starts, lengths, 0.125)
+    written = torch.zeros(len(out), dtype=torch.bool)
+    for (first, n, ctx), start in zip(sequences, starts.tolist()):
+        want = reference(q, k, v, first, ctx + n, 0.125)[ctx:]  # the chunk's rows of the whole sequence
+        got = out[start : start + n].double()
+        bound = 2**-8 * v[first : first + ctx + n].abs().max().double() + 2**-8 * want.abs()
+        assert ((got - want).abs() <= bound).all(), (first, n, ctx)
+        written[start : start + n] = True
+    assert (out[~written] == 7.0).all()
+
+
+@needs_kernel
+def test_paged_kernel_refuses_what_it_cannot_take():
+    q, k, v = fused_qkv(40, 2, 1, 64, seed=0)
+    k_cache, v_cache, table = paged_cache(k, v, [(0, 40)], 16, 0)
+    out = torch.zeros(40, 128, dtype=torch.bfloat16)
+    one = torch.tensor([1])
+    with pytest.raises(RuntimeError, match="more keys than its block table"):
+        torch.ops.tokenmill.paged_prefill_attention_(out, q, k_cache, v_cache, table, torch.tensor([40]),
+                                                     torch.tensor([0]), torch.tensor([9]), 0.1)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.tokenmill.paged_prefill_attention_(out, q, k_cache, v_cache, table + 100, one, one, one, 0.1)
+    with pytest.raises(RuntimeError, match="caches"):
+        torch.ops.tokenmill.paged_prefill_attention_(out, q, k_cache.float(), v_cache.float(), table, one, one, one, 0.1)
+
+
+@needs_kernel
+def test_chunks_after_cached_tokens_take_the_paged_kernel_and_agree_with_sdpa(monkeypatch):
+    """Through the CPU backend: a prompt's second chunk (after 40 cached tokens) beside a fresh one;
+    the paged kernel's rows equal the padded SDPA's (kernel off) within bf16 noise."""
+    from tokenmill.layers import cpu_attention
+    from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelPrefillChunks
+
+    geometry = CacheGeometry(block_size=16, num_blocks=20, num_kv_heads=3, num_query_groups=3, head_dim=64,
+                             dtype=torch.bfloat16, device=torch.device("cpu"))
+    q, k, v = fused_qkv(100, 9, 3, 64, seed=21)
+    results = []
+    for kernel in (True, False):
+        monkeypatch.setattr(cpu_attention, "_prefill_kernel_available", lambda kernel=kernel: kernel)
+        kv = torch.zeros(2, 3, 20, 16, 64, dtype=torch.bfloat16)
+        backend = CpuPagedAttention()
+        first = backend.build_metadata([40], [0], [[7, 2, 9]], geometry)  # rows 0..39 of the sequence
+        backend.forward(q[:40], k[:40], v[:40], kv[0], kv[1], first, 0.125)
+        second = backend.build_metadata([30, 30], [40, 0], [[7, 2, 9, 4, 11], [1, 3]], geometry)
+        assert isinstance(second.prefill, KernelPrefillChunks) == kernel
+        results.append(backend.forward(q[40:100], k[40:100], v[40:100], kv[0], kv[1], second, 0.125))
+    with_kernel, with_sdpa = results
+    want = reference(q, k, v, 0, 70, 0.125)[40:]
+    assert (with_kernel[:30].double() - want).abs().max() <= 2**-7 * v[:70].abs().max()
+    torch.testing.assert_close(with_kernel, with_sdpa, rtol=2**-7, atol=2**-7 * float(v.abs().max()))
+    assert not torch.equal(with_kernel[:30], with_sdpa[:30])

@@ -75,7 +75,7 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [kv_heads * T] rows of the cache viewed as [kv_heads * num_slots, head_dim]
     num_tokens: int  # T
     decode: object | None  # the backend's decode bucket (sequences with one new token), if any
-    prefill: PrefillBucket | None  # sequences with several new tokens after cached ones, if any
+    prefill: object | None  # the backend's bucket of sequences with several new tokens after cached ones, if any
     # sequences with several new tokens and nothing cached: (first flat token, number of tokens) of
     # each; they attend to the step's own keys and values, without the cache or any padding
     fresh_prefills: list[tuple[int, int]]
@@ -210,9 +210,12 @@ class TorchPagedAttention:
             write_index=step.write_index.to(geometry.device),
             num_tokens=step.num_tokens,
             decode=self._decode_bucket(step, decodes, geometry) if len(decodes) else None,
-            prefill=prefill_bucket(step, prefills, geometry) if len(prefills) else None,
+            prefill=self._prefill_bucket(step, prefills, geometry) if len(prefills) else None,
             fresh_prefills=step.fresh_prefills(),
         )
+
+    def _prefill_bucket(self, step: StepLayout, members: torch.Tensor, geometry: CacheGeometry) -> PrefillBucket:
+        return prefill_bucket(step, members, geometry)
 
     def _decode_bucket(self, step: StepLayout, members: torch.Tensor, geometry: CacheGeometry) -> DecodeBucket:
         block_size, num_kv_heads, groups = geometry.block_size, geometry.num_kv_heads, geometry.num_query_groups
@@ -269,7 +272,7 @@ class TorchPagedAttention:
         if decode is not None:
             out[decode.token_index] = self._decode(q[decode.token_index], k_cache, v_cache, decode, scale)
         if prefill is not None:
-            out[prefill.token_index] = self._prefill(q, k_cache, v_cache, prefill, scale)
+            self._prefill_into(out, q, k_cache, v_cache, prefill, scale)
         if metadata.fresh_prefills:
             self._prefill_fresh(q, k, v, metadata.fresh_prefills, scale, out)
         return out
@@ -318,6 +321,10 @@ class TorchPagedAttention:
         attn = F.embedding_bag(bucket.value_index, v_cache.view(-1, head_dim), bucket.value_offsets,
                                mode="sum", per_sample_weights=probs.view(-1))  # [kv_heads * B * groups, head_dim]
         return attn.view(num_kv_heads, batch, groups * head_dim).transpose(0, 1).reshape(batch, -1)
+
+    def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      bucket: PrefillBucket, scale: float) -> None:
+        out[bucket.token_index] = self._prefill(q, k_cache, v_cache, bucket, scale)
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: PrefillBucket,
                  scale: float) -> torch.Tensor:

@@ -3,7 +3,10 @@
 The pure-PyTorch decode gathers every sequence's keys into a contiguous copy before its batched
 matmul: on the default model at batch 64 that copy and the value bags cost ~45 ms of a ~120 ms
 step on 2 cores. The kernel reads keys and values in place through the block table, once each,
-with no horizontal sums (keys are stored by column): ~20 ms. Prefill chunks keep PyTorch's SDPA.
+with no horizontal sums (keys are stored by column): ~20 ms. Prefill chunks after cached tokens
+(prefix-cache hits, the later chunks of a long prompt), in bf16 on AVX-512 BF16 CPUs, go through
+csrc/prefill_attention.cpp's paged op, reading the cache through the block table as they are: no
+gathered copy, no padding to the longest chunk or context, no mask (elsewhere: the padded SDPA).
 
 The kernel is built with the others in layers/cpu_kernels.py. It needs AVX-512; where it cannot
 be built, or with TOKENMILL_CPU_KERNELS=0, decode falls back to the PyTorch path.
@@ -16,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.layers.attention import (
-    AttentionBackend, AttentionMetadata, CacheGeometry, StepLayout, TorchPagedAttention,
+    AttentionBackend, AttentionMetadata, CacheGeometry, PrefillBucket, StepLayout, TorchPagedAttention,
 )
-from tokenmill.layers.cpu_kernels import kernels_enabled, load_cpu_kernels
+from tokenmill.layers.cpu_kernels import kernels_enabled, load_cpu_kernels, prefill_attention_available
 from tokenmill.layers.rotary import RopeStep
 
 MAX_QUERY_GROUPS = 8
@@ -43,6 +46,17 @@ class KernelDecodeBucket:
     block_table: torch.Tensor  # [B, max_blocks] int64, each sequence's blocks (padded with its first)
     seq_lens: torch.Tensor  # [B] int64, cached + new tokens
     context_len: int  # max_blocks * block_size: the width of the scores
+
+
+@dataclass
+class KernelPrefillChunks:
+    """Prefill chunks after cached tokens, for paged_prefill_attention_ (csrc/prefill_attention.cpp):
+    no padding to the longest chunk or context, no mask."""
+
+    starts: torch.Tensor  # [C] int64: first flat token of each chunk
+    lengths: torch.Tensor  # [C] int64
+    context_lens: torch.Tensor  # [C] int64: tokens cached before it
+    block_table: torch.Tensor  # [C, max_blocks] int64
 
 
 @dataclass
@@ -87,6 +101,22 @@ class CpuPagedAttention(TorchPagedAttention):
         return CpuAttentionMetadata(positions=torch.tensor(context_lens, dtype=torch.int64),
                                     write_index=torch.tensor(write_index, dtype=torch.int64), num_tokens=batch,
                                     decode=bucket, prefill=None, fresh_prefills=[], slots=torch.tensor(slots, dtype=torch.int64))
+
+    def _prefill_bucket(self, step: StepLayout, members: torch.Tensor,
+                        geometry: CacheGeometry) -> PrefillBucket | KernelPrefillChunks:
+        if not (geometry.dtype == torch.bfloat16 and geometry.head_dim % 32 == 0 and _prefill_kernel_available()):
+            return super()._prefill_bucket(step, members, geometry)
+        num_blocks = step.bucket_blocks(members, geometry.block_size)
+        return KernelPrefillChunks(starts=step.query_starts[members], lengths=step.query_lens[members],
+                                   context_lens=step.context_lens[members],
+                                   block_table=step.block_table[members, :num_blocks].contiguous())
+
+    def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      bucket: PrefillBucket | KernelPrefillChunks, scale: float) -> None:
+        if isinstance(bucket, PrefillBucket):
+            return super()._prefill_into(out, q, k_cache, v_cache, bucket, scale)
+        torch.ops.tokenmill.paged_prefill_attention_.default(out, q, k_cache, v_cache, bucket.block_table,
+                                                             bucket.context_lens, bucket.starts, bucket.lengths, scale)
 
     def _decode_bucket(self, step: StepLayout, members: torch.Tensor,
                        geometry: CacheGeometry) -> KernelDecodeBucket:
@@ -139,3 +169,6 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim
         and load_cpu_kernels()
     )
     return CpuPagedAttention() if use_kernel else TorchPagedAttention()
+
+
+_prefill_kernel_available = prefill_attention_available  # a name of this module's own, for tests to switch off
