@@ -304,7 +304,7 @@ def _vnni_matmul(x: torch.Tensor, q: InterleavedWeight, two_parts: bool) -> torc
                                                      q.num_rows, two_parts)
 
 
-def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight, activation_bits: int | None = 8) -> torch.Tensor:
+def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight, activation_bits: int | None) -> torch.Tensor:
     if activation_bits == 8 and _gemm_q8_kernel_available():
         return torch.ops.tokenmill.quant_gemm_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
                                                          q.num_rows)
