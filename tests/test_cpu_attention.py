@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from tokenmill.layers import cpu_attention
+from tokenmill.layers import attention
 from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
 from tokenmill.layers.cpu_attention import (
     CpuPagedAttention,
@@ -170,13 +170,13 @@ def test_prefills_with_nothing_cached_skip_the_padded_bucket(monkeypatch):
                              dtype=torch.bfloat16, device=torch.device("cpu"))
     # a fresh prompt, a decode, a chunk after 32 cached tokens, another fresh prompt
     steps = ([5, 1, 7, 3], [0, 9, 32, 0], [[1], [2], [3, 4, 5], [6]], geometry)
-    monkeypatch.setattr(cpu_attention, "_prefill_kernel_available", lambda: True)
+    monkeypatch.setattr(attention, "_prefill_kernel_available", lambda: True)
     md = CpuPagedAttention().build_metadata(*steps)
     assert md.fresh_prefills == [(0, 5), (13, 3)]  # (first flat token, tokens)
     assert isinstance(md.prefill, KernelPrefillChunks)  # only the chunk after cached tokens
     assert (md.prefill.starts.tolist(), md.prefill.lengths.tolist(), md.prefill.context_lens.tolist()) == ([6], [7], [32])
     assert md.prefill.block_table.tolist() == [[3, 4, 5]]
     assert md.decode is not None and not md.decode.covers_batch
-    monkeypatch.setattr(cpu_attention, "_prefill_kernel_available", lambda: False)
+    monkeypatch.setattr(attention, "_prefill_kernel_available", lambda: False)
     md = CpuPagedAttention().build_metadata(*steps)
     assert md.prefill is not None and md.prefill.valid.shape == (1, 7)

@@ -198,7 +198,6 @@ def test_paged_kernel_refuses_what_it_cannot_take():
 def test_chunks_after_cached_tokens_take_the_paged_kernel_and_agree_with_sdpa(monkeypatch):
     """Through the CPU backend: a prompt's second chunk (after 40 cached tokens) beside a fresh one;
     the paged kernel's rows equal the padded SDPA's (kernel off) within bf16 noise."""
-    from tokenmill.layers import cpu_attention
     from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelPrefillChunks
 
     geometry = CacheGeometry(block_size=16, num_blocks=20, num_kv_heads=3, num_query_groups=3, head_dim=64,
@@ -206,7 +205,7 @@ def test_chunks_after_cached_tokens_take_the_paged_kernel_and_agree_with_sdpa(mo
     q, k, v = fused_qkv(100, 9, 3, 64, seed=21)
     results = []
     for kernel in (True, False):
-        monkeypatch.setattr(cpu_attention, "_prefill_kernel_available", lambda kernel=kernel: kernel)
+        monkeypatch.setattr(attention, "_prefill_kernel_available", lambda kernel=kernel: kernel)
         kv = torch.zeros(2, 3, 20, 16, 64, dtype=torch.bfloat16)
         backend = CpuPagedAttention()
         first = backend.build_metadata([40], [0], [[7, 2, 9]], geometry)  # rows 0..39 of the sequence

@@ -282,7 +282,7 @@ class TorchPagedAttention:
         """Chunks with nothing cached attend to their own keys and values, causally, one SDPA call
         each: no gather from the cache, no padding to the longest chunk, no mask tensor."""
         num_heads, head_dim = q.shape[1], q.shape[2]
-        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and head_dim % 32 == 0 and _prefill_kernel_available():
+        if prefill_kernel_applies(q.device, q.dtype, head_dim):
             starts, lengths = torch.tensor(chunks, dtype=torch.int64).view(-1, 2).unbind(1)
             torch.ops.tokenmill.prefill_attention_.default(out, q, k, v, starts, lengths, scale)
             return
@@ -343,6 +343,12 @@ class TorchPagedAttention:
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.attn_mask, scale=scale)
         attn = attn.view(num_kv_heads, batch, max_q, groups, head_dim).permute(1, 2, 0, 3, 4)
         return attn.reshape(batch, max_q, num_heads * head_dim)[bucket.valid]
+
+
+def prefill_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether prompt chunks attend through csrc/prefill_attention.cpp (fresh ones here, those after
+    cached tokens in cpu_attention.py): bf16 on CPUs with AVX-512 BF16, head_dim a multiple of 32."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and head_dim % 32 == 0 and _prefill_kernel_available()
 
 
 # names of this module's own, for tests to switch the kernels off

@@ -20,8 +20,9 @@ import torch
 
 from tokenmill.layers.attention import (
     AttentionBackend, AttentionMetadata, CacheGeometry, PrefillBucket, StepLayout, TorchPagedAttention,
+    prefill_kernel_applies,
 )
-from tokenmill.layers.cpu_kernels import kernels_enabled, load_cpu_kernels, prefill_attention_available
+from tokenmill.layers.cpu_kernels import kernels_enabled, load_cpu_kernels
 from tokenmill.layers.rotary import RopeStep
 
 MAX_QUERY_GROUPS = 8
@@ -104,7 +105,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _prefill_bucket(self, step: StepLayout, members: torch.Tensor,
                         geometry: CacheGeometry) -> PrefillBucket | KernelPrefillChunks:
-        if not (geometry.dtype == torch.bfloat16 and geometry.head_dim % 32 == 0 and _prefill_kernel_available()):
+        if not prefill_kernel_applies(geometry.device, geometry.dtype, geometry.head_dim):
             return super()._prefill_bucket(step, members, geometry)
         num_blocks = step.bucket_blocks(members, geometry.block_size)
         return KernelPrefillChunks(starts=step.query_starts[members], lengths=step.query_lens[members],
@@ -170,5 +171,3 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim
     )
     return CpuPagedAttention() if use_kernel else TorchPagedAttention()
 
-
-_prefill_kernel_available = prefill_attention_available  # a name of this module's own, for tests to switch off
