@@ -59,15 +59,21 @@ def test_chat_api_stops_at_end_of_turn(default_llm):
 
 
 def test_bf16_quantized_path_follows_transformers_up_to_near_ties(hf_gguf_model):
-    """The path users get (bf16, the GGUF's Q4_1 kept, activations in two 8-bit parts in the kernel):
-    greedy tokens drift from float32 transformers only at near-ties. Teacher-forcing transformers on
-    our 32 tokens, each of ours is its argmax or within NEAR_TIE logits of it, and up to the first
-    difference our log-probabilities are within LOGPROB_TOLERANCE of its. (On the AMX machine 2 of
-    the 4 prompts match all 32 tokens; the others flip a near-tie at 17 and 19, margins 0.20 and
-    0.03. With one 8-bit part all 4 flipped, at 0-22.)"""
+    """The path users get (bf16, the GGUF's Q4_1 kept): greedy tokens drift from float32
+    transformers only at near-ties. Teacher-forcing transformers on our 32 tokens: up to our first
+    token that is not its argmax our log-probabilities are within LOGPROB_TOLERANCE of its, that
+    token is within NEAR_TIE logits of the argmax, and every later one (a different text from
+    there) within LATER_GAP. Few rows round activations to two 8-bit parts; batches multiply in
+    bf16, or, on CPUs with VNNI but no AMX, round them to one 8-bit part (and then few rows too),
+    which puts the logits about twice as far from float32's: LATER_GAP is 1.5 there. (On the AMX
+    machine 2 of the 4 prompts match all 32 tokens, the others flip a near-tie at 17 and 19, margins
+    0.20 and 0.03; on the AMD EPYC with 8-bit batches the first flips were at 0, 16 and 26, margins
+    0.04-0.12, and the worst later gap 1.04, in the fibonacci prompt's other continuation.)"""
     from tokenmill import LLM
+    from tokenmill.layers.quantized import rounds_rows_to_8_bits
 
     near_tie, logprob_tolerance = 0.5, 0.5  # bf16 logits of ~20 carry ~0.1 of rounding each
+    later_gap = 1.5 if rounds_rows_to_8_bits(torch.device("cpu"), torch.bfloat16) else 0.5
     llm = LLM(dtype="bfloat16", num_kv_blocks=256)
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer(p)["input_ids"] for p in PLAIN_PROMPTS]
@@ -81,8 +87,10 @@ def test_bf16_quantized_path_follows_transformers_up_to_near_ties(hf_gguf_model)
             logits = hf_gguf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1 : -1].float()
         theirs = logits.argmax(-1)
         gaps = logits.gather(1, theirs[:, None])[:, 0] - logits[torch.arange(len(ours)), torch.tensor(ours)]
-        assert gaps.max().item() <= near_tie, f"not a near-tie: {gaps.max().item():.3f} at {int(gaps.argmax())}"
         same = int((theirs != torch.tensor(ours)).int().argmax()) if (theirs != torch.tensor(ours)).any() else len(ours)
+        if same < len(ours):
+            assert gaps[same].item() <= near_tie, f"not a near-tie: {gaps[same].item():.3f} at {same}"
+            assert gaps.max().item() <= later_gap, f"{gaps.max().item():.3f} below the best at {int(gaps.argmax())}"
         log_probs = torch.log_softmax(logits, dim=-1)
         for position in range(same):
             token = ours[position]

@@ -3,7 +3,7 @@
 One extension holds them all: paged decode attention (paged_decode.cpp), quantized-weight
 matrix-vector products with float32 activations (quant_gemv.cpp) and, on CPUs with AVX-512
 VNNI, with 8-bit ones (quant_gemv_q8.cpp), the same weights against many bf16 rows on AMX or
-AVX-512 BF16 (quant_gemm.cpp) or, opt-in without AMX, with the rows rounded to 8 bits on VNNI
+AVX-512 BF16 (quant_gemm.cpp) or, without AMX, with the rows rounded to 8 bits on VNNI
 (quant_gemm_q8.cpp), causal attention of bf16 prompt chunks on AVX-512 BF16 (prefill_attention.cpp),
 and the small fused steps of every layer
 (fused_ops.cpp: RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write).
@@ -137,13 +137,14 @@ def quant_gemm_available() -> bool:
 @functools.cache
 def quant_gemm_q8_available() -> bool:
     """Whether batches of bf16 rows multiply quantized weights with quant_gemm_q8.cpp (activations
-    rounded to 8 bits per group, vpdpbusd) rather than quant_gemm.cpp's bf16 products: opt-in with
-    TOKENMILL_INT8_GEMM=1, on CPUs with AVX-512 VNNI and BF16 but no AMX (AMX tiles multiply bf16
-    faster than VNNI does 8 bits). The loader then rounds few-row products to the same 8 bits
-    (quantized.round_rows_like_batches), so caching and batching do not change greedy text. Not
-    the default: ~8-15% faster prefill here, but the default model's logits then move up to ~1.7
-    from float32's where bf16 products move them ~1.3 (tests/test_default_model.py's near-ties)."""
-    if os.environ.get("TOKENMILL_INT8_GEMM", "0") != "1" or not quant_gemm_available():
+    rounded to 8 bits per group, vpdpbusd) rather than quant_gemm.cpp's bf16 products: on CPUs
+    with AVX-512 VNNI and BF16 but no AMX (AMX tiles multiply bf16 faster than VNNI does 8 bits),
+    where it measured faster (1.1-1.3x on the linears); TOKENMILL_INT8_GEMM=0 keeps the bf16
+    products. The loader then rounds few-row products to the same 8 bits
+    (quantized.round_rows_like_batches), so caching and batching do not change greedy text. The
+    cost: the default model's logits sit about twice as far from float32's as with bf16 products
+    (perplexity +0.69% against +0.54%; tests/test_default_model.py states the bounds)."""
+    if os.environ.get("TOKENMILL_INT8_GEMM", "auto") == "0" or not quant_gemm_available():
         return False
     return "avx512_vnni" in cpu_flags() and torch.ops.tokenmill.quant_gemm_backends() == 1
 
