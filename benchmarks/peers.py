@@ -184,10 +184,29 @@ def run_engines(names: list[str], args: argparse.Namespace, prompts: dict[str, l
             server.stop()
 
 
+def int8_matmul_tops(size: int = 2048, runs: int = 3) -> float:
+    """oneDNN's int8 x int8 -> int32 product (torch._int_mm) on this CPU, best of `runs`: the peak
+    to hold W2 against where tokenmill's batches multiply 8-bit activations."""
+    import torch
+
+    a = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    b = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    best = float("inf")
+    for _ in range(runs + 1):  # the first warms oneDNN up
+        start = time.perf_counter()
+        torch._int_mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
 def roofline(result: dict) -> dict:
     """tokenmill's W1 bytes per second (the weights read per decoded token x tok/s) and W2 FLOP/s
-    (2 per weight per token, attention left out), against this machine's measured peaks."""
+    (2 per weight per token, attention left out), against this machine's measured peaks (bf16,
+    and int8 where batches go through quant_gemm_q8)."""
     import numpy as np
+    import torch
+
+    from tokenmill.layers.quantized import rounds_rows_to_8_bits
 
     from tokenmill.hardware import cached_cpu_peaks, measure_cpu_peaks
     from tokenmill.models.gguf_loader import GGUFFile
@@ -207,6 +226,9 @@ def roofline(result: dict) -> dict:
         out.update(bandwidth_gbs=peaks.bandwidth_gbs, bf16_tflops=peaks.bf16_tflops,
                    w1_fraction_of_bandwidth=bytes_per_s / 1e9 / peaks.bandwidth_gbs,
                    w2_fraction_of_matmul_peak=flops / 1e12 / peaks.bf16_tflops)
+    if rounds_rows_to_8_bits(torch.device("cpu"), torch.bfloat16):
+        out["int8_tops"] = int8_matmul_tops()
+        out["w2_fraction_of_int8_peak"] = flops / 1e12 / out["int8_tops"]
     return out
 
 
@@ -264,7 +286,8 @@ def main() -> None:
               f"{line['w1_achieved_gbs']:.1f} GB/s" + (f" of {line['bandwidth_gbs']:.1f} measured" if "bandwidth_gbs" in line
                                                       else "")
               + f"; W2: {line['w2_achieved_tflops']:.3f} TFLOP/s"
-              + (f" of {line['bf16_tflops']:.2f} bf16 peak" if "bf16_tflops" in line else ""))
+              + (f" of {line['bf16_tflops']:.2f} bf16 peak" if "bf16_tflops" in line else "")
+              + (f" and {line['int8_tops']:.2f} int8 (batches multiply 8-bit activations)" if "int8_tops" in line else ""))
         ratios["tokenmill_roofline"] = line
     print(json.dumps({"benchmark": "peers", "results": results, "ratios": ratios}))
 
