@@ -83,7 +83,7 @@ class QuantizedWeight:
         if bits == 4 and u.numel() and int(u.max()) > 15:
             raise ValueError("4-bit codes must be below 16")
         codes = pack_nibbles(u) if bits == 4 else u.to(torch.uint8).contiguous()
-        scales, offsets = _compact(scales.float(), offsets.float())
+        scales, offsets = compact_scales(scales.float(), offsets.float())
         return cls(codes, scales, offsets, bits, group_size)
 
     def unpacked_codes(self) -> torch.Tensor:
@@ -226,7 +226,7 @@ def _to_half(values: torch.Tensor) -> torch.Tensor:
     return values.clamp(-65504, 65504).half().float()
 
 
-def _compact(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def compact_scales(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and offsets as float16 when that loses nothing (2 bytes per group instead of 4)."""
     half_s, half_o = scales.half(), offsets.half()
     if torch.equal(half_s.float(), scales) and torch.equal(half_o.float(), offsets):
@@ -255,7 +255,7 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights by output rows (fused q/k/v, gate/up), widened to one common layout."""
     bits, group = max(p.bits for p in parts), min(p.group_size for p in parts)
     parts = [p.widened(bits, group) for p in parts]
-    scales, offsets = _compact(torch.cat([p.scales.float() for p in parts]), torch.cat([p.offsets.float() for p in parts]))
+    scales, offsets = compact_scales(torch.cat([p.scales.float() for p in parts]), torch.cat([p.offsets.float() for p in parts]))
     return QuantizedWeight(torch.cat([p.codes for p in parts]).contiguous(), scales, offsets, bits, group)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.layers.quantized import QuantizedWeight
+from tokenmill.layers.quantized import QuantizedWeight, compact_scales
 
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
@@ -38,25 +38,44 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([scale_low, scale_high], -1), np.concatenate([min_low, min_high], -1)
 
 
+def _f16_tensor(raw: np.ndarray) -> torch.Tensor:
+    """[..., 2] bytes as a float16 tensor [...]."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0])
+
+
+def _q4_codes(qs: np.ndarray) -> torch.Tensor:
+    """Q4_0 / Q4_1 nibbles ([rows, blocks, 16]: byte j holds element j low, j + 16 high) in our
+    4-bit row layout (64-column chunks, byte j holding column j low and j + 32 high; a last chunk
+    of 32 columns is a GGUF block as it is), byte to byte without unpacking."""
+    q = torch.from_numpy(np.ascontiguousarray(qs))
+    rows, blocks, _ = q.shape
+    pairs = blocks // 2
+    first, second = q[:, 0 : 2 * pairs : 2], q[:, 1 : 2 * pairs : 2]  # columns 64c + [0, 32) and + [32, 64)
+    low = (first & 0xF) | (second << 4)  # chunk bytes 0..15: columns j and j + 32, j < 16
+    high = (first >> 4) | (second & 0xF0)  # chunk bytes 16..31: columns j + 16 and j + 48
+    parts = [torch.cat([low, high], dim=2).reshape(rows, -1)]
+    if blocks % 2:
+        parts.append(q[:, -1])
+    return torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0]
+
+
 def repack(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
     """A GGUF tensor's raw bytes ([rows, bytes per row]) as a QuantizedWeight of `shape` [N, K]."""
     rows, cols = shape
     b = np.asarray(data, dtype=np.uint8).reshape(rows, -1)
-    if type_name in ("Q4_0", "Q4_1"):
-        size = 18 if type_name == "Q4_0" else 20
+    if type_name in ("Q4_0", "Q4_1", "Q8_0"):  # byte to byte: these were most of a start-up's repacking
+        size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
         blocks = b.reshape(rows, -1, size)
-        qs = blocks[..., size - 16:]
-        u = np.concatenate([qs & 0xF, qs >> 4], -1)
-        scales = _f16(blocks[..., 0:2])
-        offsets = -8 * scales if type_name == "Q4_0" else _f16(blocks[..., 2:4])
-        bits, group = 4, 32
-    elif type_name == "Q8_0":
-        blocks = b.reshape(rows, -1, 34)
-        u = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        scales = _f16(blocks[..., 0:2])
-        offsets = -128 * scales
-        bits, group = 8, 32
-    elif type_name in ("Q4_K", "Q5_K"):
+        scales = _f16_tensor(blocks[..., 0:2]).float()
+        if type_name == "Q8_0":
+            codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).reshape(rows, cols)) ^ 0x80  # q + 128
+            offsets = -128 * scales
+        else:
+            codes = _q4_codes(blocks[..., size - 16 :])
+            offsets = -8 * scales if type_name == "Q4_0" else _f16_tensor(blocks[..., 2:4]).float()
+        scales, offsets = compact_scales(scales, offsets)
+        return QuantizedWeight(codes, scales, offsets, 4 if size < 34 else 8, 32)
+    if type_name in ("Q4_K", "Q5_K"):
         size = 144 if type_name == "Q4_K" else 176
         blocks = b.reshape(rows, -1, size)
         d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
