@@ -12,6 +12,7 @@ DEFAULT_BLOCK_SIZE = 16
 # share the machine), of the memory left free after the weights on CUDA.
 DEFAULT_KV_CACHE_FRACTION = {"cpu": 0.05, "cuda": 0.8}
 OTHER_DEVICE_KV_CACHE_FRACTION = 0.1
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # the server's limit on a request body
 
 
 # Upper bounds far above any real model's, low enough that nothing absurd is ever allocated.

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tokenmill.config import DEFAULT_MAX_BODY_BYTES
 from tokenmill.engine.replica_set import ReplicaSet
 from tokenmill.errors import InvalidParameterError, ModelNotFoundError, TokenmillError
 from tokenmill.server.errors import error_response, invalid_body
@@ -34,7 +35,6 @@ from tokenmill.version import __version__
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
 Handler = Callable[[ServerContext, BaseModel, Callable, ResponseLog], Awaitable[Response]]

@@ -11,10 +11,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenmill.config import DEFAULT_MAX_BODY_BYTES, CacheConfig, EngineConfig, SchedulerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.device_peaks import DevicePeaks, known_peaks, measure_cpu_when_idle
 from tokenmill.engine.engine_client import EngineProcessClient
@@ -25,10 +26,9 @@ from tokenmill.engine.replica_set import ReplicaSet, replica_gpus, split_cpus
 from tokenmill.engine.structured_output import GrammarCompiler
 from tokenmill.errors import TokenmillError
 from tokenmill.platform import nvidia_gpu_count
-from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
-from tokenmill.server.metrics import ServingMetrics
-from tokenmill.server.reasoning import REASONING_PARSERS
-from tokenmill.server.serving_common import ServerContext
+
+if TYPE_CHECKING:
+    from tokenmill.server.serving_common import ServerContext
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -267,6 +267,13 @@ def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePea
 
     peaks: the device's, known so far (an engine process fills them in when it has measured the
     CPU; measure_here: measure it from this process, while the engine is idle)."""
+    # The HTTP stack (fastapi, pydantic: ~0.3 s of imports) is imported here, after the engine
+    # process was forked, so that the two start-ups overlap.
+    from tokenmill.server.app import build_app
+    from tokenmill.server.metrics import ServingMetrics
+    from tokenmill.server.reasoning import REASONING_PARSERS
+    from tokenmill.server.serving_common import ServerContext
+
     engine = async_engine.engine
     # A name, never a path, is what /v1/models shows; the --model argument as given is accepted too.
     model_name = options.served_model_name or (Path(options.model).name if options.model else DEFAULT_MODEL_NAME)
