@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -72,11 +73,12 @@ class PeakRss(threading.Thread):
 
 
 # ---- servers ----------------------------------------------------------------------------------
-def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600) -> None:
+def wait_ready(port: int, process: subprocess.Popen, log: Path, timeout: float = 600) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode} before it was ready")
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
+            raise SystemExit(f"the server exited with {process.returncode} before it was ready; the end of {log}:\n{tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
                 if response.status == 200:
@@ -84,7 +86,7 @@ def wait_ready(port: int, process: subprocess.Popen, timeout: float = 600) -> No
         except OSError:
             pass
         time.sleep(0.05)
-    raise SystemExit("the server did not become ready")
+    raise SystemExit(f"the server did not become ready (its output: {log})")
 
 
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
@@ -129,12 +131,14 @@ class Server:
     def __init__(self, name: str, args: argparse.Namespace, port: int) -> None:
         self.name, self.port = name, port
         command, env = server_command(name, args, port)
+        self.log = Path(tempfile.gettempdir()) / f"peers-{name}.log"  # its output, for when it fails to start
         launched = time.perf_counter()
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.sampler = PeakRss(self.process.pid)
         self.sampler.start()
         try:
-            wait_ready(port, self.process)
+            wait_ready(port, self.process, self.log)
         except BaseException:
             self.stop()
             raise
