@@ -170,4 +170,3 @@ def default_attention_backend(device: torch.device, dtype: torch.dtype, head_dim
         and load_cpu_kernels()
     )
     return CpuPagedAttention() if use_kernel else TorchPagedAttention()
-
