@@ -38,11 +38,6 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([scale_low, scale_high], -1), np.concatenate([min_low, min_high], -1)
 
 
-def _f16_tensor(raw: np.ndarray) -> torch.Tensor:
-    """[..., 2] bytes as a float16 tensor [...]."""
-    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0])
-
-
 def _q4_codes(qs: np.ndarray) -> torch.Tensor:
     """Q4_0 / Q4_1 nibbles ([rows, blocks, 16]: byte j holds element j low, j + 16 high) in our
     4-bit row layout (64-column chunks, byte j holding column j low and j + 32 high; a last chunk
@@ -66,13 +61,13 @@ def repack(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quantize
     if type_name in ("Q4_0", "Q4_1", "Q8_0"):  # byte to byte: these were most of a start-up's repacking
         size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
         blocks = b.reshape(rows, -1, size)
-        scales = _f16_tensor(blocks[..., 0:2]).float()
+        scales = torch.from_numpy(_f16(blocks[..., 0:2]))
         if type_name == "Q8_0":
             codes = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).reshape(rows, cols)) ^ 0x80  # q + 128
             offsets = -128 * scales
         else:
             codes = _q4_codes(blocks[..., size - 16 :])
-            offsets = -8 * scales if type_name == "Q4_0" else _f16_tensor(blocks[..., 2:4]).float()
+            offsets = -8 * scales if type_name == "Q4_0" else torch.from_numpy(_f16(blocks[..., 2:4]))
         scales, offsets = compact_scales(scales, offsets)
         return QuantizedWeight(codes, scales, offsets, 4 if size < 34 else 8, 32)
     if type_name in ("Q4_K", "Q5_K"):
