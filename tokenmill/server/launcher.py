@@ -140,7 +140,9 @@ def serve(options: ServeOptions) -> int:
     if options.engine_process and options.rendezvous is None:
         client = EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs)
         try:
-            engine = client.wait_ready(_tokenizer_loaded_meanwhile(config.model), _grammar_compiler)
+            tokenizer = _tokenizer_loaded_meanwhile(config.model)
+            _import_http_stack()  # meanwhile too
+            engine = client.wait_ready(tokenizer, _grammar_compiler)
             return _serve(options, AsyncLLMEngine(core=client, **_engine_options(options)), engine.info.peaks,
                           engine.info.dtype, chat_template, measure_here=False)
         finally:
@@ -261,18 +263,24 @@ def _grammar_compiler(tokenizer, info: EngineInfo) -> GrammarCompiler:
     return GrammarCompiler(tokenizer, info.model_config.vocab_size, info.model_config.eos_token_ids)
 
 
+def _import_http_stack():
+    """The HTTP stack's modules (fastapi, pydantic: ~0.35 s of imports), imported only after the
+    engine process was forked, and while it loads the model, so that the two start-ups overlap."""
+    from tokenmill.server.app import build_app
+    from tokenmill.server.metrics import ServingMetrics
+    from tokenmill.server.reasoning import REASONING_PARSERS
+    from tokenmill.server.serving_common import ServerContext
+
+    return build_app, ServingMetrics, REASONING_PARSERS, ServerContext
+
+
 def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePeaks, dtype: str,
            chat_template: str | None, measure_here: bool, replicas: ReplicaSet | None = None) -> int:
     """Serve an engine (here or in its process) until a drain or its death; returns the exit status.
 
     peaks: the device's, known so far (an engine process fills them in when it has measured the
     CPU; measure_here: measure it from this process, while the engine is idle)."""
-    # The HTTP stack (fastapi, pydantic: ~0.3 s of imports) is imported here, after the engine
-    # process was forked, so that the two start-ups overlap.
-    from tokenmill.server.app import build_app
-    from tokenmill.server.metrics import ServingMetrics
-    from tokenmill.server.reasoning import REASONING_PARSERS
-    from tokenmill.server.serving_common import ServerContext
+    build_app, ServingMetrics, REASONING_PARSERS, ServerContext = _import_http_stack()
 
     engine = async_engine.engine
     # A name, never a path, is what /v1/models shows; the --model argument as given is accepted too.
