@@ -260,6 +260,42 @@ def test_disconnect_while_queued_aborts_only_that_request(guarded_server):
     assert server.wait_for(lambda: server.metric("tokenmill:kv_cache_usage_perc") == 0.0, 10)
 
 
+SLOW_STEPS = """
+import time
+from tokenmill.engine import engine_core
+_step = engine_core.LLMEngine.step
+def slow_step(self):
+    time.sleep(0.02)
+    return _step(self)
+engine_core.LLMEngine.step = slow_step
+"""
+
+
+def test_a_second_sigterm_aborts_what_still_runs_and_exits_0(tiny_llama_dir, tmp_path):
+    """The drain cut short: the running stream ends with the shutdown error, KV blocks are freed,
+    the app's own shutdown runs (no force-exit, no traceback in the log) and the status is 0."""
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path, prelude=SLOW_STEPS)
+    try:
+        conn, response = server.open_stream("/v1/completions",
+                                            {"prompt": "keep going", "max_tokens": 480, "ignore_eos": True})
+        events = [read_event(response)]
+        server.process.send_signal(signal.SIGTERM)
+        assert server.wait_for(lambda: server.request("GET", "/ready").status == 503, 10)
+        server.process.send_signal(signal.SIGTERM)
+        while (event := read_event(response)) not in (None, "[DONE]"):
+            events.append(event)
+        conn.close()
+        assert server.process.wait(30) == 0
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "shutting down" in events[-1]["error"]["message"]
+    assert len(events) < 400  # cut short, at ~20 ms a step
+    log = server.log()
+    assert "SIGTERM again: aborting the requests still running" in log
+    assert "KV blocks in use: 0 of" in log and "Application shutdown complete" in log
+    assert "Traceback" not in log
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_0(tiny_llama_dir, tmp_path):
     server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path)
     try:

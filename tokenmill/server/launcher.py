@@ -87,7 +87,9 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM/SIGINT drains instead of closing the listening socket.
 
     Draining: /ready and new requests answer 503, in-flight requests run to the end (or until the
-    drain timeout, then they are aborted), then the server exits with status 0. A second signal exits now.
+    drain timeout, then they are aborted), then the server exits with status 0. A second signal
+    ends the drain now: what still runs is aborted (its clients get the error) and the server exits
+    the same way, not by uvicorn's force-exit, which skipped the app's shutdown and logged a traceback.
     """
 
     def __init__(self, config: uvicorn.Config, ctx: ServerContext, drain_timeout: float) -> None:
@@ -103,23 +105,30 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         # Unlike uvicorn's own handler, do not re-raise the signal after shutdown: a drain is a clean exit.
-        if self.ctx.draining or self._loop is None or not self.started:
+        if self._loop is None or not self.started:  # not serving yet: nothing to drain
             self.ctx.end_streams()
             self.should_exit = True
-            if self.ctx.draining:
-                self.force_exit = True
+            return
+        if self.should_exit:  # drained already, on the way out
+            return
+        name = signal.Signals(sig).name
+        if self.ctx.draining:
+            logger.info("%s again: aborting the requests still running", name)
+            self._loop.call_soon_threadsafe(self._start_drain, 0.0)
             return
         self.ctx.draining = True
-        logger.info("%s: draining (up to %.0f s), new requests get 503", signal.Signals(sig).name, self.drain_timeout)
-        self._loop.call_soon_threadsafe(self._start_drain)
+        logger.info("%s: draining (up to %.0f s), new requests get 503", name, self.drain_timeout)
+        self._loop.call_soon_threadsafe(self._start_drain, self.drain_timeout)
 
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.ensure_future(self._drain())
+    def _start_drain(self, timeout: float) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        self._drain_task = asyncio.ensure_future(self._drain(timeout))
 
-    async def _drain(self) -> None:
-        aborted = await self.ctx.engine.drain(self.drain_timeout)
+    async def _drain(self, timeout: float) -> None:
+        aborted = await self.ctx.engine.drain(timeout)
         if aborted:
-            logger.warning("drain timeout: aborted %d requests", aborted)
+            logger.warning("drain ended: aborted %d requests still running", aborted)
         kv = self.ctx.engine.engine.stats().kv_cache  # read from the event loop: a snapshot, good enough
         logger.info("drained; shutting down (KV blocks in use: %d of %d)", kv.num_used_blocks, kv.num_blocks)
         self.ctx.end_streams()
