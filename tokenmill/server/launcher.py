@@ -149,9 +149,9 @@ def serve(options: ServeOptions) -> int:
     if options.engine_process and options.rendezvous is None:
         client = EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs)
         try:
-            tokenizer = _tokenizer_loaded_meanwhile(config.model)
+            tokenizer_for = _tokenizer_loaded_meanwhile(config.model)
             _import_http_stack()  # meanwhile too
-            engine = client.wait_ready(tokenizer, _grammar_compiler)
+            engine = client.wait_ready(tokenizer_for, _grammar_compiler)
             return _serve(options, AsyncLLMEngine(core=client, **_engine_options(options)), engine.info.peaks,
                           engine.info.dtype, chat_template, measure_here=False)
         finally:
