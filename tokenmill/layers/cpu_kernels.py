@@ -150,11 +150,13 @@ def quant_gemm_q8_available() -> bool:
     return "avx512_vnni" in cpu_flags() and torch.ops.tokenmill.quant_gemm_backends() == 1
 
 
-def _build_fingerprint(sources: list[Path]) -> str:
-    """A short hash of this CPU's feature flags and the sources: a cache shared by machines (an NFS
-    home) must not hand one CPU's build to another."""
+def _build_fingerprint(sources: list[Path], headers: list[Path] = HEADERS) -> str:
+    """A short hash of this CPU's feature flags, the sources, and where they and torch's headers
+    are: a cache shared by machines (an NFS home) must not hand one CPU's build to another, and two
+    checkouts with their venvs must not rebuild over each other (the build files name both paths)."""
     flags = " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
     digest = hashlib.sha1(flags.encode())
-    for source in sources + HEADERS:
+    digest.update(f"{sources[0].resolve().parent}|{Path(torch.__file__).resolve().parent}".encode())
+    for source in sources + headers:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:10]
