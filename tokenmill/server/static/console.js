@@ -28,8 +28,12 @@ class Feed {
       try {
         const response = await this.api.fetch("/v1/stats/stream", { signal });
         if (!response.ok) throw await ApiError.from(response);
-        this.onState("live");
-        await readEvents(response, (event) => this.onSnapshot(event));
+        // "live" only once a snapshot is on the page, not when the headers arrive.
+        let shown = false;
+        await readEvents(response, (event) => {
+          this.onSnapshot(event);
+          if (!shown) { shown = true; this.onState("live"); }
+        });
         this.onState("reconnecting…");
       } catch (error) {
         if (signal.aborted) return;
