@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill import LLM, SamplingParams, __version__
+from tokenmill import LLM, SamplingParams, TokensPrompt, __version__
 from tokenmill.errors import InvalidParameterError, RequestTooLongError
 
 
@@ -24,6 +24,23 @@ def test_prompt_forms_and_output_shape(tiny_llm):
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert __version__
+
+
+def test_vllm_prompt_dicts(tiny_llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = tiny_llm.get_tokenizer()("Hello there")["input_ids"]
+    bare = tiny_llm.generate(["Hello there", ids], params, use_tqdm=False)
+    dicts = tiny_llm.generate([{"prompt": "Hello there"}, TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in bare]
+    assert dicts[0].prompt == "Hello there" and dicts[1].prompt is None and dicts[1].prompt_token_ids == ids
+    one = tiny_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert len(one) == 1 and one[0].outputs[0].token_ids == bare[1].outputs[0].token_ids
+    for bad, message in (({"text": "x"}, "exactly one of 'prompt'"), ({"prompt": "x", "prompt_token_ids": [1]}, "not"),
+                         ({"prompt_token_ids": ["a"]}, "list of token ids"), (3.5, "not float"),
+                         ({"prompt": "x", "multi_modal_data": {}}, "text only")):
+        with pytest.raises(InvalidParameterError, match=message):
+            tiny_llm.generate(["fine", bad], params, use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
 
 
 def test_outputs_in_prompt_order_with_per_prompt_params(tiny_llm):
@@ -59,6 +76,9 @@ def test_stop_strings_and_stop_token_ids(tiny_llm):
     )[0].outputs[0]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == token
     assert by_id.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+    kept = tiny_llm.generate("Count with me", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                                             include_stop_str_in_output=True), use_tqdm=False)
+    assert kept[0].outputs[0].text == cut.text + stop and kept[0].outputs[0].stop_reason == stop
 
 
 def test_logprobs(tiny_llm):
@@ -88,6 +108,31 @@ def test_chat_applies_template(tiny_llm):
     assert len(outputs) == 2
     assert "<|im_start|>user\nHi<|im_end|>" in outputs[0].prompt
     assert outputs[0].prompt.endswith("<|im_start|>assistant\n")
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_chat_template_arguments(tiny_llm):
+    """vLLM's LLM.chat arguments: another template, variables for it, going on with the last message."""
+    chat = [{"role": "user", "content": "Hi"}]
+    plain = tiny_llm.apply_chat_template(chat, chat_template=THINKING_TEMPLATE)
+    assert plain == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    off = tiny_llm.chat(chat, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False,
+                        chat_template=THINKING_TEMPLATE, chat_template_kwargs={"enable_thinking": False})
+    assert off[0].prompt == plain + "<think></think>"
+    going_on = chat + [{"role": "assistant", "content": "Hello, I am"}]
+    text = tiny_llm.apply_chat_template(going_on, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nHello, I am")
+    with pytest.raises(InvalidParameterError, match="cannot both be true"):
+        tiny_llm.chat(going_on, continue_final_message=True, use_tqdm=False)
+    for kwargs, name in (({"messages": []}, "'messages'"), ({"tokenize": True}, "'tokenize'"), ({"1x": 1}, "not a name")):
+        with pytest.raises(InvalidParameterError, match=name) as caught:
+            tiny_llm.chat(chat, chat_template_kwargs=kwargs, use_tqdm=False)
+        assert caught.value.param == "chat_template_kwargs"
+    assert not tiny_llm.engine.has_unfinished_requests()
 
 
 def test_abort_frees_blocks(tiny_llm):

@@ -103,6 +103,17 @@ BAD_REQUESTS = [
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"function_call": "auto"}, "function_call", "not supported"),
     ({"best_of": 3}, "best_of", "not supported"),
+    ({"use_beam_search": True}, "use_beam_search", "beam search"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported"),
+    ({"bad_words": ["x"]}, "bad_words", "not supported"),
+    ({"cache_salt": "tenant-a"}, "cache_salt", "shared"),
+    ({"priority": 3}, "priority", "first come"),
+    ({"chat_template": "{{ messages }}"}, "chat_template", "--chat-template"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+    ({"stop_token_ids": [10 ** 6]}, "stop_token_ids", "must be in [0,"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1 or in [1,"),
+    ({"continue_final_message": True}, "continue_final_message", "cannot both be true"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "its own field"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content", "content parts of type 'image_url' are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
@@ -135,8 +146,38 @@ def test_bad_requests_are_400s_naming_the_problem_while_others_run(client, model
 def test_fields_that_change_nothing_are_accepted(client, model):
     completion = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=3,
-        response_format={"type": "text"}, extra_body={"modalities": ["text"], "tool_choice": "none"})
+        response_format={"type": "text"}, extra_body={"modalities": ["text"], "tool_choice": "none",
+                                                      "use_beam_search": False, "priority": 0, "length_penalty": 1.0})
     assert completion.choices[0].finish_reason == "length"
+
+
+def test_vllm_stop_and_truncation_extras(client, model, tiny_llm):
+    """stop_token_ids, include_stop_str_in_output and truncate_prompt_tokens do what vLLM's do, in
+    both APIs (the reference: the same request offline, whose own tests pin these down)."""
+    prompt = "The mill stood by the river and"
+    greedy = dict(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    full = client.completions.create(**greedy, extra_body={"ignore_eos": True}).choices[0]
+    ids = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = ids[5]
+    by_id = client.completions.create(**greedy, extra_body={"stop_token_ids": [stop_id]}).choices[0]
+    assert by_id.finish_reason == "stop" and by_id.model_extra["stop_reason"] == stop_id
+    assert full.text.startswith(by_id.text) and len(by_id.text) < len(full.text)
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    assert stop.strip()
+    cut = client.completions.create(**greedy, stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    kept = client.completions.create(**greedy, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True}).choices[0]
+    assert cut.text + stop == kept.text == full.text[:full.text.index(stop) + len(stop)]
+    assert kept.finish_reason == "stop" and kept.model_extra["stop_reason"] == stop
+    # truncate_prompt_tokens: the answer to the prompt's last 4 tokens, as if those were the prompt
+    prompt_ids = tiny_llm.get_tokenizer()(prompt)["input_ids"]
+    short = client.completions.create(**{**greedy, "prompt": prompt_ids[-4:]}, extra_body={"ignore_eos": True})
+    truncated = client.completions.create(**greedy, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 4})
+    assert truncated.usage.prompt_tokens == 4 and truncated.choices[0].text == short.choices[0].text
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
 
 
 def test_retrieve_model(client, model):

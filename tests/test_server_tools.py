@@ -1,5 +1,6 @@
-"""Tool calling and reasoning (--reasoning-parser qwen3) through a real `tokenmill serve` and the
-official openai SDK: the tiny model with a Hermes-style chat template of our own (--chat-template),
+"""Tool calling, reasoning (--reasoning-parser qwen3) and vLLM's template extras through a real
+`tokenmill serve` and the official openai SDK: the tiny model with a Hermes-style chat template of
+our own (--chat-template, with Qwen3's enable_thinking switch),
 and the default template, which has no tools. The tiny model writes noise: named and "required" calls parse because they are constrained;
 "auto" is tested with its output forced into the Hermes format by a regex."""
 
@@ -35,7 +36,11 @@ Call one as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>
 {% endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 12},
@@ -182,6 +187,29 @@ def test_a_round_trip_renders_through_the_template(client, model, server):
     assert '{"type": "function", "function": {"name": "get_time"' in rendered  # the tools, from the template
     answer = client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=5)
     assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_template_kwargs_reach_the_template(client, model, server):
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    thinking = server.post("/tokenize", {"messages": MESSAGES, "return_prompt": True}).json()
+    no_thinking = server.post("/tokenize", {"messages": MESSAGES, "return_prompt": True, **off}).json()
+    assert thinking["prompt"].endswith("<|im_start|>assistant\n")
+    assert no_thinking["prompt"] == thinking["prompt"] + "<think>\n\n</think>\n\n"
+    for extra, rendered in ((off, no_thinking), ({}, thinking)):  # what the engine got: the same prompt
+        reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1, extra_body=extra)
+        assert reply.usage.prompt_tokens == rendered["count"]
+
+
+def test_continue_final_message_goes_on_with_the_last_message(client, model, server):
+    history = MESSAGES + [{"role": "assistant", "content": "It is sunny and"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    rendered = server.post("/tokenize", {"messages": history, "return_prompt": True, **extra}).json()
+    assert rendered["prompt"].endswith("<|im_start|>assistant\nIt is sunny and")
+    reply = client.chat.completions.create(model=model, messages=history, max_tokens=1, extra_body=extra)
+    assert reply.usage.prompt_tokens == rendered["count"]
+    closed = server.post("/tokenize", {"messages": history, "return_prompt": True,
+                                       "add_generation_prompt": False}).json()
+    assert closed["prompt"].endswith("It is sunny and<|im_end|>\n")
 
 
 @pytest.mark.parametrize("kwargs, param, message", [

@@ -1,9 +1,10 @@
 """tokenmill: an LLM inference engine with an OpenAI-compatible server."""
 
+from tokenmill.engine.input_processor import TextPrompt, TokensPrompt
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str):

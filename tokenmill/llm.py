@@ -101,14 +101,28 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, using the model's chat template."""
+        """Generate replies to one conversation or a list of them, using the model's chat template
+        (vLLM's arguments: go on with the last message instead of starting a reply, more template
+        variables such as Qwen3's enable_thinking, tools rendered into the prompt, another template)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [(self.apply_chat_template(c, add_generation_prompt), False) for c in conversations]
+        prompts = [(self.apply_chat_template(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                             chat_template_kwargs=chat_template_kwargs, tools=tools,
+                                             chat_template=chat_template), False)
+                   for c in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
-        return self.engine.input_processor.render_chat(conversation, add_generation_prompt)
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                            tools: list[dict] | None = None, chat_template: str | None = None) -> str:
+        return self.engine.input_processor.render_chat(conversation, add_generation_prompt, tools,
+                                                       continue_final_message=continue_final_message,
+                                                       template_kwargs=chat_template_kwargs,
+                                                       chat_template=chat_template)
 
     def _run(
         self,

@@ -108,6 +108,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # top-k of every prompt token (the first has none)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays at its end
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 

@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
         found = [(i, s) for s in self.stop_strings if (i := self.text.find(s, start)) >= 0]
         if found:
             index, stop = min(found)
-            self.text = self.text[:index]
+            self.text = self.text[: index + len(stop) if self.params.include_stop_str_in_output else index]
             self.stop_string = stop
 
     def _take(self, final: bool) -> str:

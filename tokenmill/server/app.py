@@ -292,7 +292,10 @@ async def _tokenize(ctx: ServerContext, body: TokenizeRequest, receive, log: Res
         conversation = to_conversation(body.messages)
         ctx.check_text_length(sum(len(m["content"]) for m in conversation), "messages")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        prompt, tokens = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt, tools)
+        prompt, tokens = await ctx.off_loop(
+            lambda: ctx.inputs.tokenize_chat(conversation, body.add_generation_prompt, tools,
+                                             continue_final_message=body.continue_final_message,
+                                             template_kwargs=body.chat_template_kwargs))
         if body.return_prompt:
             return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len,
                                  "prompt": prompt})

@@ -74,6 +74,12 @@ _GUIDED = "is vLLM's retired name; use structured_outputs (or response_format)"
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
     "guided_decoding_backend": _GUIDED, "guided_whitespace_pattern": _GUIDED,
+    # vLLM's extras this server does not implement
+    "use_beam_search": "(beam search) is not supported",
+    "allowed_token_ids": "is not supported; use logit_bias or structured_outputs",
+    "bad_words": "is not supported; use logit_bias",
+    "cache_salt": "is not supported: this server's prefix cache is shared by all requests",
+    "return_tokens_as_token_ids": "is not supported",
 }
 UNSUPPORTED_CHAT_FIELDS: dict[str, str] = {
     **UNSUPPORTED_FIELDS,
@@ -82,6 +88,8 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, str] = {
     "web_search_options": "is not supported: this server has no web search",
     "functions": "(the legacy form of tools) is not supported; use tools",
     "function_call": "(the legacy form of tool_choice) is not supported; use tool_choice",
+    "chat_template": "(a chat template per request) is not accepted: start the server with --chat-template",
+    "documents": "is not supported",
 }
 
 
@@ -89,9 +97,14 @@ def refuse_unsupported_fields(data: dict, unsupported: dict[str, str]) -> None:
     """InvalidParameterError for the first field of `data` this server cannot honour."""
     for name, why in unsupported.items():
         value = data.get(name)
-        if value is None or value == []:
+        if value is None or value is False or value == [] or value == "":
             continue
         raise InvalidParameterError(f"{name} {why}", param=name)
+    if data.get("priority") not in (None, 0):
+        raise InvalidParameterError("priority is not supported: requests are served first come, first served",
+                                    param="priority")
+    if data.get("length_penalty") not in (None, 1):  # a beam-search setting
+        raise InvalidParameterError("length_penalty is not supported (beam search is not)", param="length_penalty")
     if data.get("best_of") not in (None, 1, data.get("n", 1)):  # best of more than it returns: a different answer
         raise InvalidParameterError("best_of is not supported (other than equal to n)", param="best_of")
     modalities = data.get("modalities")
@@ -122,6 +135,9 @@ class _GenerationRequest(_Body):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens; -1: max_model_len
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
@@ -129,6 +145,16 @@ class _GenerationRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len of them)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        if k == 0 or k > max_model_len:
+            raise InvalidParameterError(f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (max_model_len)",
+                                        param="truncate_prompt_tokens")
+        return prompt_token_ids[-(max_model_len if k == -1 else k):]
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint of response_format or structured_outputs, if any."""
@@ -160,6 +186,8 @@ class _GenerationRequest(_Body):
             logit_bias=_token_bias(self.logit_bias, vocab_size),
             seed=self.seed,
             stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
@@ -276,6 +304,8 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply goes on with the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (enable_thinking, ...)
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -314,6 +344,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)  # rendered with the messages
     return_prompt: bool = False  # also the rendered text (messages only)
 

@@ -92,7 +92,7 @@ class ChatPrompt:
 
     plan: ToolPlan
     params: SamplingParams
-    prompt: str
+    prompt: str | None  # None where truncate_prompt_tokens cut it
     prompt_token_ids: list[int]
 
 
@@ -105,8 +105,12 @@ async def render_chat_prompt(ctx: ServerContext, body: ChatCompletionRequest) ->
     max_tokens = body.max_completion_tokens or body.max_tokens  # None: up to max_model_len
     plan, params = _tool_plan(ctx, body, body.sampling_params(max_tokens, body.num_logprobs(), ctx.vocab_size))
     tools = body.tool_dicts() if plan.choice != "none" else None
-    prompt, prompt_token_ids = await ctx.off_loop(ctx.inputs.tokenize_chat, conversation, body.add_generation_prompt,
-                                                  tools)
+    prompt, prompt_token_ids = await ctx.off_loop(
+        lambda: ctx.inputs.tokenize_chat(conversation, body.add_generation_prompt, tools,
+                                         continue_final_message=body.continue_final_message,
+                                         template_kwargs=body.chat_template_kwargs))
+    if body.truncate_prompt_tokens is not None:  # the text no longer says what the engine gets
+        prompt, prompt_token_ids = None, body.truncate(prompt_token_ids, ctx.max_model_len)
     return ChatPrompt(plan, params, prompt, prompt_token_ids)
 
 
@@ -154,7 +158,7 @@ def _response(header: dict, final: RequestOutput, num_top: int | None, plan: Too
             logprobs = {"content": _logprobs(sample.logprobs or [], sample.token_ids, num_top)}
         message, finish_reason = plan.message(sample.text, sample.finish_reason)
         choices.append({"index": sample.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": finish_reason})
+                        "finish_reason": finish_reason, "stop_reason": sample.stop_reason})
     log.completion_tokens = sum(len(s.token_ids) for s in final.outputs)
     log.first_token_time = final.metrics.first_token_time
     return {**header, "object": "chat.completion", "choices": choices,
@@ -225,14 +229,16 @@ async def _chunks(body: ChatCompletionRequest, header: dict, streams: list[Async
             deltas = deltas or [{}]
             for i, delta in enumerate(deltas):
                 last = i == len(deltas) - 1
-                yield _chunk(header, update.index, delta, logprobs if i == 0 else None, finish_reason if last else None)
+                yield _chunk(header, update.index, delta, logprobs if i == 0 else None, finish_reason if last else None,
+                             update.stop_reason if last else None)
     if body.include_usage:
         yield {**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)}
 
 
-def _chunk(header: dict, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+def _chunk(header: dict, index: int, delta: dict, logprobs: dict | None, finish_reason: str | None,
+           stop_reason: int | str | None = None) -> dict:
     return {**header, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                   "finish_reason": finish_reason}]}
+                                   "finish_reason": finish_reason, "stop_reason": stop_reason}]}
 
 
 def _logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num_top: int) -> list[dict]:

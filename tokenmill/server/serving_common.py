@@ -266,6 +266,7 @@ class ChoiceUpdate:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobs | None = None  # of the choice's prompt, once the engine scored it
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
 
 
 @dataclass
@@ -291,7 +292,7 @@ class ChoiceTracker:
             elif not sample.text and not sample.token_ids:
                 continue
             result.append(ChoiceUpdate(index, sample.text, sample.token_ids, sample.logprobs, sample.finish_reason,
-                                       self.prompt_logprobs.get(prompt_index)))
+                                       self.prompt_logprobs.get(prompt_index), sample.stop_reason))
         return result
 
     @property

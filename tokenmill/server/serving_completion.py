@@ -32,7 +32,7 @@ async def render_completion(
     """vLLM's POST /v1/completions/render: each prompt's token ids, generating nothing (routers
     read it to place a request by its prefix)."""
     ctx.check_model(body.model)
-    prompt_token_ids = await tokenize_prompts(ctx, body.prompts())
+    prompt_token_ids = [body.truncate(ids, ctx.max_model_len) for ids in await tokenize_prompts(ctx, body.prompts())]
     for ids in prompt_token_ids:  # ids a generation would refuse are refused here too
         ctx.validate(ids, SamplingParams(max_tokens=1))
     return JSONResponse([{"request_id": f"cmpl-{log.request_id}-{i}", "model": ctx.model_name, "token_ids": ids}
@@ -51,7 +51,7 @@ async def create_completion(
     params = body.sampling_params(body.max_tokens, body.logprobs, ctx.vocab_size,
                                   prompt_logprobs=max(echo_logprobs or 0, body.prompt_logprobs or 0)
                                   if echo_logprobs is not None else None)
-    prompt_token_ids = await tokenize_prompts(ctx, prompts)
+    prompt_token_ids = [body.truncate(ids, ctx.max_model_len) for ids in await tokenize_prompts(ctx, prompts)]
     max_tokens = [ctx.validate(ids, params) for ids in prompt_token_ids]
     ctx.check_request_tokens(body.n * sum(len(ids) + m for ids, m in zip(prompt_token_ids, max_tokens)))
     await ctx.compile_grammar(params)
@@ -60,7 +60,7 @@ async def create_completion(
     request_id = f"cmpl-{log.request_id}"
     log.is_generation = True
     log.prompt_tokens = sum(len(ids) for ids in prompt_token_ids)
-    prompt_texts = [p if isinstance(p, str) else None for p in prompts]
+    prompt_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None else None for p in prompts]
     echoes = None
     if body.echo:
         echoes = await ctx.off_loop(lambda: [
@@ -103,6 +103,7 @@ def _response(body: CompletionRequest, header: dict, finals: list[RequestOutput]
                 "text": prefix + sample.text,
                 "logprobs": logprobs,
                 "finish_reason": sample.finish_reason,
+                "stop_reason": sample.stop_reason,
             }
             if body.prompt_logprobs is not None and final.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
@@ -140,14 +141,15 @@ async def _chunks(body: CompletionRequest, header: dict, streams: list[AsyncIter
                 text_offsets[update.index] = offset + sum(len(t) for t in logprobs["tokens"])
             elif not update.text and update.finish_reason is None:
                 continue
-            yield _chunk(header, update.index, update.text, logprobs, update.finish_reason)
+            yield _chunk(header, update.index, update.text, logprobs, update.finish_reason, update.stop_reason)
     if body.include_usage:
         yield {**header, "choices": [], "usage": usage(log.prompt_tokens, tracker.num_completion_tokens)}
 
 
-def _chunk(header: dict, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+def _chunk(header: dict, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+           stop_reason: int | str | None = None) -> dict:
     return {**header, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                   "finish_reason": finish_reason}]}
+                                   "finish_reason": finish_reason, "stop_reason": stop_reason}]}
 
 
 def _echo_logprobs(echo: Echo, prompt_logprobs: PromptLogprobs | None, num_top: int) -> dict:
