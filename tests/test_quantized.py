@@ -216,6 +216,23 @@ def test_i8_kernel_within_its_activation_rounding(bits, group, cols, rows, dtype
 
 
 @needs_i8_kernel
+@pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 64), (4, 128)]))
+@pytest.mark.parametrize("rows", [9, 16, 19, 67])
+@pytest.mark.parametrize("two_parts", [False, True], ids=["8-bit", "two 8-bit parts"])
+def test_i8_kernel_batches_are_each_row_alone(bits, group, cols, rows, two_parts):
+    """The batched loop (more than 4 rows: tiles over blocks of output rows, a remainder the
+    few-row way) gives every row bit for bit what it gives that row alone, within the rounding."""
+    q = random_weight(83, cols, bits, group, seed=cols + rows, half=rows % 2 == 0)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    i8 = torch.ops.tokenmill.quant_gemv_i8
+    got = i8(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, two_parts)
+    alone = torch.cat([i8(x[i : i + 1], q.codes, q.scales, q.offsets, q.bits, q.group_size, two_parts)
+                       for i in range(rows)])
+    assert torch.equal(got, alone)
+    assert_within_rounding(got, x, q, 128 if two_parts else 1)
+
+
+@needs_i8_kernel
 def test_i8_kernel_refuses_groups_of_16():
     q = random_weight(32, 64, 8, 16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
@@ -238,6 +255,26 @@ def test_which_kernel_a_layer_takes_on_avx2(monkeypatch):
     layer.activation_bits = None
     assert torch.equal(layer(x), exact)
     assert torch.equal(quantized_matmul(x, q16), torch.ops.tokenmill.quant_gemv(x, q16.codes, q16.scales, q16.offsets, 8, 16))
+
+
+@needs_i8_kernel
+def test_avx2_batches_up_to_64_rows_read_the_codes(monkeypatch):
+    """Batches of up to I8_BATCH_MAX_ROWS rows round and multiply as few rows do (quant_gemv_i8);
+    more rows (prefill chunks) multiply a dequantized float32 weight; a layer rounding to 8 bits
+    sends every batch to quant_gemv_i8."""
+    q = random_weight(80, 576, 4, 32)
+    layer = QuantizedLinear(q)
+    i8 = torch.ops.tokenmill.quant_gemv_i8
+    for rows in (9, quantized.I8_BATCH_MAX_ROWS):
+        x = torch.randn(rows, 576)
+        assert torch.equal(layer(x), i8(x, q.codes, q.scales, q.offsets, 4, 32, True))
+    x = torch.randn(quantized.I8_BATCH_MAX_ROWS + 1, 576)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, q.dequantize()))
+    layer.activation_bits = 8
+    assert torch.equal(layer(x), i8(x, q.codes, q.scales, q.offsets, 4, 32, False))
+    monkeypatch.setattr(quantized, "_gemm_i8_kernel_available", lambda: False)  # TOKENMILL_INT8_GEMM=0
+    x = torch.randn(9, 576)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, q.dequantize()))
 
 
 def gemm(x: torch.Tensor, q: QuantizedWeight, backend: int) -> torch.Tensor:
@@ -392,6 +429,7 @@ def test_quantized_matmul_any_row_count(rows, bits, monkeypatch):
     exact = quantized_matmul(x, q, activation_bits=None)  # (the default may round x: quant_gemv_i8 on AVX2)
     torch.testing.assert_close(exact.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     monkeypatch.setattr(quantized, "_kernel_available", lambda: False)  # the fallback every device has
+    monkeypatch.setattr(quantized, "_gemm_i8_kernel_available", lambda: False)
     torch.testing.assert_close(quantized_matmul(x, q).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 

@@ -27,9 +27,10 @@ multiplies the codes with vpdpbusd (~1.1-1.3x; +0.3-0.4% perplexity over the bf1
 loader then sets every layer's activation_bits to 8 (round_rows_like_batches), which is what
 sends its batches there, and its few rows get the same rounding, bit for bit. Elsewhere they use `batched`, a dense module over the dequantized weight that
 layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none, a call
-dequantizes the weight for itself. CPUs with AVX2 but no AVX-512 have quant_gemv and the
-dequantizer only (csrc/quant_gemv_avx2.cpp): few rows read the codes there too. Without any
-kernel (CUDA, other CPUs) few rows go the dequantizing way: correct, not fast.
+dequantizes the weight for itself. CPUs with AVX2 but no AVX-512 have quant_gemv, quant_gemv_i8
+and the dequantizer (csrc/quant_gemv_avx2.cpp): few rows, and batches of up to I8_BATCH_MAX_ROWS,
+read the codes there too (uses_batched_i8), each row rounded and summed as it would be alone.
+Without any kernel (CUDA, other CPUs) few rows go the dequantizing way: correct, not fast.
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ from torch import nn
 
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.cpu_kernels import (
-    quant_gemm_available, quant_gemm_q8_available, quant_gemv_available, quant_gemv_i8_available,
-    quant_gemv_q8_available,
+    quant_gemm_available, quant_gemm_i8_available, quant_gemm_q8_available, quant_gemv_available,
+    quant_gemv_i8_available, quant_gemv_q8_available,
 )
 
 CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
 GEMV_MAX_ROWS = 8  # at most this many rows go through the matrix-vector kernel
+# on AVX2 CPUs, batches of up to this many rows go through quant_gemv_i8's batched loop; more
+# rows (prefill chunks) through oneDNN on a float32 copy dequantized per call, faster there
+I8_BATCH_MAX_ROWS = 64
 
 
 @dataclass
@@ -273,14 +277,27 @@ def uses_gemm_kernel(x: torch.Tensor, qweight: AnyQuantizedWeight) -> bool:
             and _gemm_kernel_available())
 
 
+def uses_batched_i8(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bits: int | None) -> bool:
+    """Whether more than GEMV_MAX_ROWS rows go through quant_gemv_i8's batched loop (AVX2 CPUs),
+    rounded as the layer's few rows are: up to I8_BATCH_MAX_ROWS rows (decode batches, short
+    prompts, prefix-cache hits), where it beats dequantizing the weight for oneDNN, or every batch
+    of a layer rounding to 8 bits."""
+    return (activation_bits is not None and (activation_bits == 8 or x.shape[0] <= I8_BATCH_MAX_ROWS)
+            and x.device.type == "cpu" and isinstance(qweight, QuantizedWeight) and qweight.group_size % 32 == 0
+            and _gemm_i8_kernel_available())
+
+
 def quantized_matmul(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bits: int | None = 16) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, N] in x's dtype. activation_bits: what a few-row kernel may round x to
     (8 or 16): the VNNI kernel for an InterleavedWeight, quant_gemv_i8 (AVX2 CPUs) for the row
-    layout; None keeps it float32 (the row layout's float kernel)."""
+    layout; None keeps it float32 (the row layout's float kernel). Batches: see uses_gemm_kernel
+    and uses_batched_i8."""
     if uses_kernel(x):
         return _kernel_matmul(x, qweight, activation_bits)
     if uses_gemm_kernel(x, qweight):
         return _gemm_matmul(x, qweight, activation_bits)
+    if uses_batched_i8(x, qweight, activation_bits):
+        return _i8_matmul(x, qweight, activation_bits == 16)
     return F.linear(x, qweight.dequantize(x.dtype))
 
 
@@ -317,6 +334,7 @@ _q8_kernel_available = quant_gemv_q8_available
 _i8_kernel_available = quant_gemv_i8_available
 _gemm_kernel_available = quant_gemm_available
 _gemm_q8_kernel_available = quant_gemm_q8_available
+_gemm_i8_kernel_available = quant_gemm_i8_available
 
 
 class QuantizedLinear(nn.Module):
@@ -339,6 +357,8 @@ class QuantizedLinear(nn.Module):
             return self.batched(x)
         elif uses_gemm_kernel(x, self.qweight):
             out = _gemm_matmul(x, self.qweight, self.activation_bits)
+        elif uses_batched_i8(x, self.qweight, self.activation_bits):
+            out = _i8_matmul(x, self.qweight, self.activation_bits == 16)
         else:
             out = F.linear(x, self.qweight.dequantize(x.dtype))
         return out if self.bias is None else out + self.bias
@@ -426,9 +446,9 @@ def rounds_rows_to_8_bits(device: torch.device, dtype: torch.dtype) -> bool:
 
 def round_rows_like_batches(model: nn.Module) -> None:
     """Give every quantized linear's few-row kernel the 8-bit rounding that quant_gemm_q8 gives
-    batches (one part, the same sums): a row's product is then the same, bit for bit, whether it
-    came alone (decode, a prefix-cache hit's last few tokens) or among many (a prompt), so greedy
-    text does not depend on caching or batching."""
+    batches (one part, the same sums), and send its batches there: a row's product is then the
+    same, bit for bit, whether it came alone (decode, a prefix-cache hit's last few tokens) or
+    among many (a prompt), so greedy text does not depend on caching or batching."""
     for module in model.modules():
         if isinstance(module, QuantizedLinear) and module.activation_bits is not None:
             module.activation_bits = 8

@@ -13,8 +13,8 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
 from tokenmill.layers.parallel import Communicator
 from tokenmill.layers.quantized import (
-    batches_read_codes, describe_weight_formats, interleave_weights, interleaving_pays, quantize_linear_layers,
-    round_rows_like_batches, rounds_rows_to_8_bits,
+    QuantizedWeight, batches_read_codes, describe_weight_formats, interleave_weights, interleaving_pays,
+    quantize_linear_layers, round_rows_like_batches, rounds_rows_to_8_bits,
 )
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
@@ -22,7 +22,7 @@ from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.models.model_files import load_tokenizer, resolve_model_path
 from tokenmill.models.safetensors_loader import iter_safetensors
-from tokenmill.models.sharding import shard_config, shard_weights, wrap_parallel
+from tokenmill.models.sharding import shard_config, shard_weights, vocab_parallel_head, wrap_parallel
 from tokenmill.platform import available_memory_bytes, release_free_memory
 
 logger = logging.getLogger(__name__)
@@ -111,8 +111,9 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
         net.load_weights(weights)
     else:
         net = build_model(shard_config(config, shard.world_size), context, dtype, device)
-        net.load_weights(shard_weights(weights, config, shard))
-        wrap_parallel(net, config.vocab_size, shard)
+        tables: dict[str, QuantizedWeight] = {}
+        net.load_weights(shard_weights(weights, config, shard, tables))
+        wrap_parallel(net, config.vocab_size, shard, vocab_parallel_head(tables, config.tie_word_embeddings))
     net.eval()
     if quantization in ("int8", "int4"):  # the decoder layers' linears; embedding and head keep their dtype
         quantize_linear_layers(net.layers, 8 if quantization == "int8" else 4)

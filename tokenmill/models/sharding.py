@@ -12,7 +12,8 @@ modules whose outputs must be combined across ranks (layers/parallel.py):
 
 Quantized weights (a GGUF's) are cut the same way: output rows anywhere, input columns only on
 the weight's group boundaries (else a ModelLoadError says which tensor); a quantized embedding is
-dequantized first (the vocab-parallel wrappers hold a plain table).
+dequantized first (the vocab-parallel embedding holds a plain table), while the head keeps this
+rank's rows of the quantized table, so that its logits are computed as on one device.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.errors import InvalidParameterError, ModelLoadError
 from tokenmill.layers.parallel import Communicator, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
-from tokenmill.layers.quantized import QuantizedWeight
+from tokenmill.layers.quantized import QuantizedLinear, QuantizedWeight
 
 
 def check_divisible(config: ModelConfig, world_size: int) -> None:
@@ -53,8 +54,11 @@ def shard_config(config: ModelConfig, world_size: int) -> ModelConfig:
 
 
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], config: ModelConfig,
-                  comm: Communicator) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """This rank's slice of each checkpoint tensor (HF names), as it streams past."""
+                  comm: Communicator, quantized_tables: dict[str, QuantizedWeight] | None = None,
+                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """This rank's slice of each checkpoint tensor (HF names), as it streams past. A quantized
+    vocabulary table goes out dequantized; its quantized rows, zero-padded like the plain ones,
+    go into quantized_tables under "embed_tokens" or "lm_head" (for vocab_parallel_head)."""
     rank, world = comm.rank, comm.world_size
     vocab_rows = -(-config.vocab_size // world)
     for name, tensor in weights:
@@ -77,8 +81,14 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
                 columns = tensor.shape[1] // world
                 yield name, tensor[:, rank * columns:(rank + 1) * columns]
         elif kind in ("embed_tokens", "lm_head"):  # vocab-parallel rows, zero-padded on the last rank
-            tensor = tensor.dequantize() if quantized else tensor
-            rows = tensor[rank * vocab_rows:(rank + 1) * vocab_rows]
+            part = slice(rank * vocab_rows, (rank + 1) * vocab_rows)
+            if quantized:
+                rows = _padded_rows(tensor.rows(part), vocab_rows)
+                if quantized_tables is not None:
+                    quantized_tables[kind] = rows
+                yield name, rows.dequantize()
+                continue
+            rows = tensor[part]
             if rows.shape[0] < vocab_rows:
                 rows = torch.cat([rows, rows.new_zeros(vocab_rows - rows.shape[0], rows.shape[1])])
             yield name, rows
@@ -86,12 +96,28 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
             yield name, tensor
 
 
-def wrap_parallel(net: nn.Module, vocab_size: int, comm: Communicator) -> None:
-    """Put the communicating wrappers around a loaded shard (built from shard_config)."""
+def _padded_rows(q: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """q with zero rows appended up to `rows` (their products are 0, cut off after the gather)."""
+    missing = rows - q.shape[0]
+    if missing <= 0:
+        return q
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(missing, t.shape[1])]).contiguous()
+    return dataclasses.replace(q, codes=pad(q.codes), scales=pad(q.scales), offsets=pad(q.offsets))
+
+
+def vocab_parallel_head(quantized_tables: dict[str, QuantizedWeight], tied: bool) -> QuantizedWeight | None:
+    """The quantized rows the head multiplies (its own table, or a tied model's embedding), if quantized."""
+    return quantized_tables.get("embed_tokens" if tied else "lm_head")
+
+
+def wrap_parallel(net: nn.Module, vocab_size: int, comm: Communicator, head: QuantizedWeight | None = None) -> None:
+    """Put the communicating wrappers around a loaded shard (built from shard_config); `head`: this
+    rank's rows of a quantized head table, kept quantized (the plain shard serves the embedding)."""
     for layer in net.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, comm)
         layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, comm)
     net.untie_lm_head()  # a tied model's head shares the embedding shard
     start = comm.rank * net.embed_tokens.weight.shape[0]
-    net.lm_head = VocabParallelLMHead(net.lm_head, vocab_size, comm)
+    net.lm_head = VocabParallelLMHead(net.lm_head if head is None else QuantizedLinear(head), vocab_size, comm)
     net.embed_tokens = VocabParallelEmbedding(net.embed_tokens, start, comm)

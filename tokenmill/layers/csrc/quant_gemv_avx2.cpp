@@ -16,6 +16,10 @@
 // integer multiply-adds of 32 byte pairs at a time (vpmaddubsw, then vpmaddwd into int32):
 // ~3x fewer instructions per weight than the float loop. 8-bit codes go in as signed u - 128
 // (their sign moved onto x, so that no pair sum overflows int16), the offsets as o + 128 s.
+// More than 4 rows take its batched loop: blocks of output rows whose codes stay in L1 while every
+// row passes, in register tiles of 4 rows x 2 outputs, each pair's groups added in the same order
+// and the same way (add_group, finish_pair) as the few-row loop: a row's product is bit for bit
+// what it is alone.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -37,6 +41,7 @@ namespace {
 constexpr int64_t kChunk = 64;   // columns per packed 4-bit chunk
 constexpr int64_t kMaxRows = 4;  // activation rows sharing one pass over the weights (16 ymm registers)
 constexpr int64_t kAhead = 4;    // rows of codes prefetched ahead by quant_gemv_i8
+constexpr int64_t kBlockBytes = 16 << 10;  // codes per block of output rows in quant_gemv_i8's batched loop
 
 // The codes of the chunk starting at column c of a row, 16 per vector (one per byte): four vectors
 // for a full chunk, two for a final 32-column one (see the layout at the top of quant_gemv.cpp);
@@ -81,6 +86,9 @@ inline __attribute__((always_inline)) const float* as_float(const c10::Half* src
   for (; i < n; ++i) buf[i] = _cvtsh_ss(src[i].x);  // F16C (c10::Half's own conversion is bit arithmetic)
   return buf;
 }
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+inline void to_float(const c10::Half* src, float* dst, int64_t n) { as_float(src, dst, n); }
 
 inline float horizontal_sum(__m256 v) {
   const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -192,29 +200,62 @@ struct QuantizedActivations {
   std::vector<float> scale, sums;  // [M, groups]
 };
 
+// 32 int32 values (four vectors) as 32 int8 in order; values are within [-127, 127].
+inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline float horizontal_max(__m256 v) {
+  const __m128 pair = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_max_ps(pair, _mm_movehl_ps(pair, pair));
+  return _mm_cvtss_f32(_mm_max_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+// One group of G (a multiple of 32) values of x: q1 = round(x / s) with s = max|x| / 127 and, with
+// two_parts, q2 = round((x - q1 s) * 256 / s) clamped to [-127, 127].
+inline void quantize_group(const float* xg, int64_t G, bool two_parts, int8_t* q1, int8_t* q2, float& scale_out,
+                           float& sum_out) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < G; k += 8) {
+    const __m256 v = _mm256_loadu_ps(xg + k);
+    amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v, abs_mask));
+    sum8 = _mm256_add_ps(sum8, v);
+  }
+  const float amax = horizontal_max(amax8);
+  const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const __m256 inv = _mm256_set1_ps(inverse), step = _mm256_set1_ps(scale), fine = _mm256_set1_ps(inverse * 256.0f);
+  const __m256 low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t k = 0; k < G; k += 32) {
+    __m256i whole[4], rest[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v = _mm256_loadu_ps(xg + k + 8 * j);
+      const __m256 q = _mm256_round_ps(_mm256_mul_ps(v, inv), kNearest);
+      whole[j] = _mm256_cvtps_epi32(q);
+      if (two_parts) {  // the remainder, |r| <= s / 2, in steps of s / 256
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_fnmadd_ps(q, step, v), fine), kNearest);
+        rest[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, low), high));
+      }
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1 + k), pack32(whole[0], whole[1], whole[2], whole[3]));
+    if (two_parts) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2 + k), pack32(rest[0], rest[1], rest[2], rest[3]));
+  }
+  scale_out = two_parts ? scale / 256.0f : scale;
+  sum_out = horizontal_sum(sum8);
+}
+
 QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, int64_t G, bool two_parts) {
   const int64_t groups = K / G;
   QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_parts ? M * K : 0),
                          std::vector<float>(M * groups), std::vector<float>(M * groups)};
-  for (int64_t i = 0; i < M * groups; ++i) {
-    const float* xg = x + i * G;
-    float amax = 0.0f, sum = 0.0f;
-    for (int64_t k = 0; k < G; ++k) {
-      amax = std::max(amax, std::fabs(xg[k]));
-      sum += xg[k];
+  at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      quantize_group(x + i * G, G, two_parts, a.q1.data() + i * G, two_parts ? a.q2.data() + i * G : nullptr,
+                     a.scale[i], a.sums[i]);
     }
-    const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int64_t k = 0; k < G; ++k) {
-      const float q = std::nearbyint(xg[k] * inverse);
-      a.q1[i * G + k] = static_cast<int8_t>(q);
-      if (two_parts) {  // the remainder, |r| <= scale / 2, in steps of scale / 256
-        const float r = (xg[k] - q * scale) * inverse * 256.0f;
-        a.q2[i * G + k] = static_cast<int8_t>(std::clamp(std::nearbyint(r), -127.0f, 127.0f));
-      }
-    }
-    a.scale[i] = two_parts ? scale / 256.0f : scale;
-    a.sums[i] = sum;
-  }
+  });
   return a;
 }
 
@@ -242,15 +283,37 @@ inline __m256i dot32(__m256i codes, const int8_t* q, int bits) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), _mm256_set1_epi16(1));
 }
 
+// One group of 32 columns of one (activation row, output row) pair added into acc: the integer
+// u . q scaled by the product of the weight's and the row's group scales. quant_gemv_i8's few-row
+// and batched loops both add every group this way, in column order, and finish a pair with
+// finish_pair, so a row's product is bit for bit the same alone or among many.
+template <int BITS, bool TWO_PARTS>
+inline __m256 add_group(__m256i codes, const int8_t* q1, const int8_t* q2, __m256 scale, __m256 acc) {
+  __m256i d = dot32(codes, q1, BITS);
+  if constexpr (TWO_PARTS) d = _mm256_add_epi32(_mm256_slli_epi32(d, 8), dot32(codes, q2, BITS));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc);
+}
+
+inline float finish_pair(__m256 acc, const float* offsets, const float* x_sums, int64_t groups) {
+  return horizontal_sum(acc) + dot(offsets, x_sums, groups);
+}
+
+// A row's group offsets as they meet the group sums of x: 8-bit codes went in as u - 128.
+template <int BITS>
+inline const float* code_offsets(const float* o, const float* s, int64_t groups, float* buf) {
+  if constexpr (BITS != 8) return o;
+  for (int64_t g = 0; g < groups; ++g) buf[g] = o[g] + 128.0f * s[g];
+  return buf;
+}
+
 // u . q of one group of 32 columns for ROWS activation rows, scaled by the weight's and the rows'
 // group scales into acc.
 template <int ROWS, int BITS, bool TWO_PARTS>
 inline void group32(__m256i codes, const int8_t* q1, const int8_t* q2, int64_t K, float w_scale, const float* sx,
                     int64_t groups, __m256* acc) {
   for (int r = 0; r < ROWS; ++r) {
-    __m256i d = dot32(codes, q1 + r * K, BITS);
-    if constexpr (TWO_PARTS) d = _mm256_add_epi32(_mm256_slli_epi32(d, 8), dot32(codes, q2 + r * K, BITS));
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(w_scale * sx[r * groups]), acc[r]);
+    acc[r] = add_group<BITS, TWO_PARTS>(codes, q1 + r * K, TWO_PARTS ? q2 + r * K : nullptr,
+                                        _mm256_set1_ps(w_scale * sx[r * groups]), acc[r]);
   }
 }
 
@@ -295,12 +358,89 @@ void gemv_i8_rows_g32(const QuantizedActivations& a, int64_t row0, const uint8_t
       group32<ROWS, BITS, TWO_PARTS>(load_codes32(w, full, K, BITS), q1 + full, TWO_PARTS ? q2 + full : nullptr, K,
                                      s[groups - 1], sx + groups - 1, groups, acc);
     }
-    const float* offset = o;
-    if constexpr (BITS == 8) {  // the codes went in as u - 128
-      for (int64_t g = 0; g < groups; ++g) shifted[g] = o[g] + 128.0f * s[g];
-      offset = shifted.data();
+    const float* offset = code_offsets<BITS>(o, s, groups, shifted.data());
+    for (int r = 0; r < ROWS; ++r) out[r * out_stride + n] = finish_pair(acc[r], offset, sums + r * groups, groups);
+  }
+}
+
+// The batched loop of gemv_i8_rows_g32: tiles of 4 activation rows x NR output rows in registers
+// (the codes loaded once for 4 rows, each row's q once for NR outputs). ws: the NR rows' float
+// scales, offsets: their code offsets ([NR, groups] each).
+template <int NR, int BITS, bool TWO_PARTS>
+inline void tile_i8_g32(const QuantizedActivations& a, int64_t m, const uint8_t* w, int64_t row_bytes,
+                        const float* ws, const float* offsets, int64_t K, int64_t n, float* out, int64_t out_stride) {
+  constexpr int MR = 4;
+  const int64_t groups = K / 32, full = K - K % kChunk;
+  const int8_t* q1 = a.q1.data() + m * K;
+  const int8_t* q2 = TWO_PARTS ? a.q2.data() + m * K : nullptr;
+  const float* sx = a.scale.data() + m * groups;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  auto group = [&](const __m256i* codes, int64_t g) {
+    const int64_t col = g * 32;
+    __m256 w_scale[NR];
+    for (int j = 0; j < NR; ++j) w_scale[j] = _mm256_broadcast_ss(ws + j * groups + g);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 x_scale = _mm256_broadcast_ss(sx + r * groups + g);
+      for (int j = 0; j < NR; ++j) {
+        acc[r][j] = add_group<BITS, TWO_PARTS>(codes[j], q1 + r * K + col, TWO_PARTS ? q2 + r * K + col : nullptr,
+                                               _mm256_mul_ps(w_scale[j], x_scale), acc[r][j]);
+      }
     }
-    for (int r = 0; r < ROWS; ++r) out[r * out_stride + n] = horizontal_sum(acc[r]) + dot(offset, sums + r * groups, groups);
+  };
+  for (int64_t c = 0; c < full; c += kChunk) {
+    __m256i first[NR], second[NR];
+    for (int j = 0; j < NR; ++j) {
+      if constexpr (BITS == 8) {
+        first[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + c));
+        second[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + c + 32));
+      } else {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + c / 2));
+        first[j] = _mm256_and_si256(bytes, nibble);
+        second[j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      }
+    }
+    group(first, c / 32);
+    group(second, c / 32 + 1);
+  }
+  if (full < K) {  // a final 32-column chunk
+    __m256i last[NR];
+    for (int j = 0; j < NR; ++j) last[j] = load_codes32(w + j * row_bytes, full, K, BITS);
+    group(last, groups - 1);
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NR; ++j) {
+      out[(m + r) * out_stride + n + j] =
+          finish_pair(acc[r][j], offsets + j * groups, a.sums.data() + (m + r) * groups, groups);
+    }
+  }
+}
+
+// Activation rows [0, rows) (a multiple of 4) against output rows [n_begin, n_end), in tiles.
+template <int BITS, bool TWO_PARTS, typename S>
+void gemm_i8_block_g32(const QuantizedActivations& a, int64_t rows, const uint8_t* codes, const S* scales,
+                       const S* offsets, int64_t n_begin, int64_t n_end, int64_t K, float* out, int64_t out_stride) {
+  const int64_t row_bytes = BITS == 8 ? K : K / 2, groups = K / 32, count = n_end - n_begin;
+  std::vector<float> ws(count * groups), os(count * groups);
+  for (int64_t i = 0; i < count; ++i) {  // the block's scales and code offsets as float32, once
+    float* s = ws.data() + i * groups;
+    float* o = os.data() + i * groups;
+    to_float(scales + (n_begin + i) * groups, s, groups);
+    to_float(offsets + (n_begin + i) * groups, o, groups);
+    code_offsets<BITS>(o, s, groups, o);
+  }
+  for (int64_t m = 0; m < rows; m += 4) {
+    int64_t i = 0;
+    for (; i + 2 <= count; i += 2) {
+      tile_i8_g32<2, BITS, TWO_PARTS>(a, m, codes + (n_begin + i) * row_bytes, row_bytes, ws.data() + i * groups,
+                                      os.data() + i * groups, K, n_begin + i, out, out_stride);
+    }
+    if (i < count) {
+      tile_i8_g32<1, BITS, TWO_PARTS>(a, m, codes + (n_begin + i) * row_bytes, row_bytes, ws.data() + i * groups,
+                                      os.data() + i * groups, K, n_begin + i, out, out_stride);
+    }
   }
 }
 
@@ -373,10 +513,27 @@ void run_i8(const QuantizedActivations& a, int64_t M, int64_t K, const at::Tenso
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
   const S* scale_ptr = scales.data_ptr<S>();
   const S* offset_ptr = offsets.data_ptr<S>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const int64_t count = std::min(kMaxRows, M - m);
-      gemv_i8_fn<S>(count, bits, two_parts)(a, m, code_ptr, scale_ptr, offset_ptr, begin, end, K, G, out + m * N, N);
+  if (M <= kMaxRows) {  // a few rows: one pass over the weights, straight from memory
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      gemv_i8_fn<S>(M, bits, two_parts)(a, 0, code_ptr, scale_ptr, offset_ptr, begin, end, K, G, out, N);
+    });
+    return;
+  }
+  // Many rows: blocks of output rows whose codes stay in L1 while every activation row passes,
+  // in 4 x 2 tiles where the groups are 32 columns wide; a remainder of rows goes the few-row way.
+  const int64_t row_bytes = bits == 8 ? K : K / 2;
+  const int64_t block = std::max<int64_t>(16, kBlockBytes / row_bytes / 2 * 2);
+  const int64_t tiled = G == 32 ? M - M % 4 : 0;
+  auto tiles = bits == 4 ? (two_parts ? gemm_i8_block_g32<4, true, S> : gemm_i8_block_g32<4, false, S>)
+                         : (two_parts ? gemm_i8_block_g32<8, true, S> : gemm_i8_block_g32<8, false, S>);
+  at::parallel_for(0, N, block, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += block) {
+      const int64_t n1 = std::min(end, n0 + block);
+      if (tiled) tiles(a, tiled, code_ptr, scale_ptr, offset_ptr, n0, n1, K, out, N);
+      for (int64_t m = tiled; m < M; m += kMaxRows) {
+        const int64_t count = std::min(kMaxRows, M - m);
+        gemv_i8_fn<S>(count, bits, two_parts)(a, m, code_ptr, scale_ptr, offset_ptr, n0, n1, K, G, out + m * N, N);
+      }
     }
   });
 }
