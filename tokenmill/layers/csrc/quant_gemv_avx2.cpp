@@ -364,7 +364,7 @@ void gemv_i8_rows_g32(const QuantizedActivations& a, int64_t row0, const uint8_t
 }
 
 // The batched loop of gemv_i8_rows_g32: tiles of 4 activation rows x NR output rows in registers
-// (the codes loaded once for 4 rows, each row's q once for NR outputs). ws: the NR rows' float
+// (each output row's codes loaded and unpacked once for the 4 rows). ws: the NR rows' float
 // scales, offsets: their code offsets ([NR, groups] each).
 template <int NR, int BITS, bool TWO_PARTS>
 inline void tile_i8_g32(const QuantizedActivations& a, int64_t m, const uint8_t* w, int64_t row_bytes,
@@ -451,7 +451,7 @@ void gemv_i8_rows(const QuantizedActivations& a, int64_t row0, const uint8_t* co
   constexpr int bits = BITS;
   constexpr bool two_parts = TWO_PARTS;
   const int64_t row_bytes = bits == 8 ? K : K / 2, groups = K / G;
-  std::vector<float> scale_buf(groups), offset_buf(groups);
+  std::vector<float> scale_buf(groups), offset_buf(groups), shifted(bits == 8 ? groups : 0);
   const int8_t* q1 = a.q1.data() + row0 * K;
   const int8_t* q2 = two_parts ? a.q2.data() + row0 * K : nullptr;
   const float* sx = a.scale.data() + row0 * groups;
@@ -477,11 +477,8 @@ void gemv_i8_rows(const QuantizedActivations& a, int64_t row0, const uint8_t* co
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(s[g] * sx[r * groups + g]), acc[r]);
       }
     }
-    for (int r = 0; r < ROWS; ++r) {
-      float offset_term = 0.0f;
-      for (int64_t g = 0; g < groups; ++g) offset_term += (bits == 8 ? o[g] + 128.0f * s[g] : o[g]) * sums[r * groups + g];
-      out[r * out_stride + n] = horizontal_sum(acc[r]) + offset_term;
-    }
+    const float* offset = code_offsets<BITS>(o, s, groups, shifted.data());
+    for (int r = 0; r < ROWS; ++r) out[r * out_stride + n] = finish_pair(acc[r], offset, sums + r * groups, groups);
   }
 }
 
