@@ -5,7 +5,7 @@ W1: one 128-token prompt -> 128 tokens (decode tok/s after the first token), thr
 W2: 64 x 256 -> 128 all at once (total tok/s).
 Greedy, ignore_eos; prompts are windows of benchmarks/data/mills.txt. Prints a table and one
 JSON line (graphs / eager). Needs a CUDA device; not in CI. Usage:
-    python benchmarks/cuda_graphs.py [--rounds N]
+    python benchmarks/cuda_graphs.py [--rounds N] [--model PATH] [--quantization none]
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default=None, help="a model path (default: the default model)")
+    parser.add_argument("--quantization", default=None, help="as tokenmill's (none: dequantize a GGUF at load)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("cuda_graphs.py: error: needs a CUDA device", file=sys.stderr)
         return 2
-    engines = {"graphs": LLM(device="cuda"), "eager": LLM(device="cuda", enforce_eager=True)}
+    common = {"model": args.model, "quantization": args.quantization, "device": "cuda"}
+    engines = {"graphs": LLM(**common), "eager": LLM(**common, enforce_eager=True)}
     tokenizer = engines["graphs"].get_tokenizer()
     w1 = [build_prompts(tokenizer, 3, 128)[i % 3: i % 3 + 1] for i in range(args.rounds)]
     w2 = build_prompts(tokenizer, 64, 256)
@@ -61,6 +64,8 @@ def main() -> int:
         print(f"{name:8} {w1_tps:16.1f} {w2_tps:15.1f}")
     graphs, eager = rows["graphs"], rows["eager"]
     print(json.dumps({"benchmark": "cuda_graphs", "device": torch.cuda.get_device_name(),
+                      "model": args.model or "default", "quantization": args.quantization,
+                      "weights": engines["graphs"].engine.weight_formats,
                       "w1_decode_tps": {"graphs": round(graphs[0], 1), "eager": round(eager[0], 1)},
                       "w2_total_tps": {"graphs": round(graphs[1], 1), "eager": round(eager[1], 1)},
                       "w1_graphs_over_eager": round(graphs[0] / eager[0], 2),

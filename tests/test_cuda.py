@@ -7,8 +7,10 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.attention import TorchPagedAttention
+from tokenmill.layers.gpu_quantized import DequantizedLinear, Int4TinyGemmLinear, tinygemm_inner_k_tiles
 
 from conftest import TINY_ARCHS
+from test_gpu_quantized import random_weight
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -85,6 +87,47 @@ def test_cuda_graph_decode_under_preemption(tiny_llama_dir):
     expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS * 2, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in graphs.generate(PROMPTS * 2, GREEDY, use_tqdm=False)] == expected
     assert graphs.stats().num_preemptions > 0 and graphs.engine.executor.runner.decode_graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_tinygemm_on_cuda_matches_the_dequantized_weight(rows):
+    """The CUDA packing (two codes a byte) and the scale/zero pairs: torch's int4 matmul against the
+    dequantized weight's."""
+    q = random_weight(3072, 576, 32).to(torch.device("cuda"))
+    layer = Int4TinyGemmLinear(q, None, tinygemm_inner_k_tiles(q))
+    x = torch.randn(rows, 576, device="cuda").bfloat16()
+    reference = x.double() @ q.dequantize().double().T
+    assert (layer(x).double() - reference).abs().max() <= 0.01 * reference.abs().max()
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_on_cuda():
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.models.model_files import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).to("cuda").eval()
+
+
+def test_default_model_on_cuda_follows_transformers(hf_gguf_on_cuda):
+    """float32: dense copies of the dequantized weights, the same greedy tokens as transformers on
+    the same GPU. bfloat16 (what users get): the Q4_1 linears through torch's int4 matmul, within
+    near-ties of float32 transformers as on the CPU."""
+    from test_default_model import check_follows_up_to_near_ties, check_greedy_matches
+
+    fp32 = LLM(dtype="float32", device="cuda", num_kv_blocks=256)
+    head = fp32.engine.executor.runner.model.lm_head
+    assert isinstance(fp32.engine.executor.runner.model.layers[0].mlp.down_proj.batched, DequantizedLinear)
+    assert isinstance(head.batched, DequantizedLinear)  # Q8_0
+    check_greedy_matches(fp32, hf_gguf_on_cuda)
+    bf16 = LLM(device="cuda", num_kv_blocks=256)
+    layer = bf16.engine.executor.runner.model.layers[0]
+    assert bf16.engine.dtype == torch.bfloat16
+    assert all(isinstance(linear.batched, Int4TinyGemmLinear)
+               for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
+    check_follows_up_to_near_ties(bf16, hf_gguf_on_cuda, later_gap=0.5)
 
 
 def test_cuda_graph_decode_on_the_default_model():

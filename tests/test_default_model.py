@@ -33,19 +33,21 @@ def test_default_model_is_found_without_importing_the_package():
 
 
 def test_greedy_matches_transformers_on_gguf(default_llm, hf_gguf_model):
-    tokenizer = default_llm.get_tokenizer()
-    prompts = [tokenizer(p)["input_ids"] for p in PLAIN_PROMPTS]
-    for question in CHAT_PROMPTS:
-        text = default_llm.apply_chat_template([{"role": "user", "content": question}])
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    check_greedy_matches(default_llm, hf_gguf_model)
+
+
+def check_greedy_matches(llm, hf_model) -> None:
+    """llm's greedy 32 tokens equal hf_model's for the four prompts."""
+    device = next(hf_model.parameters()).device
+    prompts = greedy_prompts(llm)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    outputs = default_llm.generate(prompts, params, use_tqdm=False)
-    hf_gguf_model.generation_config.eos_token_id = None
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    hf_model.generation_config.eos_token_id = None
     for ids, output in zip(prompts, outputs):
-        input_ids = torch.tensor([ids])
+        input_ids = torch.tensor([ids], device=device)
         # explicit mask: the chat prompt contains <|im_end|>, which is also the pad token
-        ref = hf_gguf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=32,
-                                     do_sample=False, pad_token_id=2)
+        ref = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=32,
+                                do_sample=False, pad_token_id=2)
         assert output.outputs[0].token_ids == ref[0, len(ids) :].tolist()
     assert "Paris" in outputs[0].outputs[0].text
 
@@ -72,19 +74,30 @@ def test_bf16_quantized_path_follows_transformers_up_to_near_ties(hf_gguf_model)
     from tokenmill import LLM
     from tokenmill.layers.quantized import rounds_rows_to_8_bits
 
-    near_tie, logprob_tolerance = 0.5, 0.5  # bf16 logits of ~20 carry ~0.1 of rounding each
     later_gap = 1.5 if rounds_rows_to_8_bits(torch.device("cpu"), torch.bfloat16) else 0.5
-    llm = LLM(dtype="bfloat16", num_kv_blocks=256)
+    check_follows_up_to_near_ties(LLM(dtype="bfloat16", num_kv_blocks=256), hf_gguf_model, later_gap)
+
+
+def greedy_prompts(llm) -> list[list[int]]:
+    """The token ids of the two plain prompts and the two chat prompts."""
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer(p)["input_ids"] for p in PLAIN_PROMPTS]
     for question in CHAT_PROMPTS:
         text = llm.apply_chat_template([{"role": "user", "content": question}])
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def check_follows_up_to_near_ties(llm, hf_model, later_gap: float, near_tie: float = 0.5,
+                                  logprob_tolerance: float = 0.5) -> None:
+    """llm's greedy 32 tokens against hf_model teacher-forced on them (see the test above)."""
+    device = next(hf_model.parameters()).device
+    prompts = greedy_prompts(llm)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
     for ids, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         ours = output.outputs[0].token_ids
         with torch.no_grad():
-            logits = hf_gguf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1 : -1].float()
+            logits = hf_model(torch.tensor([ids + ours], device=device)).logits[0, len(ids) - 1 : -1].float().cpu()
         theirs = logits.argmax(-1)
         gaps = logits.gather(1, theirs[:, None])[:, 0] - logits[torch.arange(len(ours)), torch.tensor(ours)]
         same = int((theirs != torch.tensor(ours)).int().argmax()) if (theirs != torch.tensor(ours)).any() else len(ours)

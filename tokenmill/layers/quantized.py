@@ -30,7 +30,9 @@ layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none
 dequantizes the weight for itself. CPUs with AVX2 but no AVX-512 have quant_gemv, quant_gemv_i8
 and the dequantizer (csrc/quant_gemv_avx2.cpp): few rows, and batches of up to I8_BATCH_MAX_ROWS,
 read the codes there too (uses_batched_i8), each row rounded and summed as it would be alone.
-Without any kernel (CUDA, other CPUs) few rows go the dequantizing way: correct, not fast.
+Without any kernel (other CPUs) few rows go the dequantizing way: correct, not fast. On CUDA the
+loader gives every linear a `batched` module of layers/gpu_quantized.py (torch's int4 matmul, or a
+dense copy).
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class QuantizedWeight:
         codes = pack_nibbles(u) if bits == 4 else u.to(torch.uint8).contiguous()
         scales, offsets = compact_scales(scales.float(), offsets.float())
         return cls(codes, scales, offsets, bits, group_size)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        return replace(self, codes=self.codes.to(device), scales=self.scales.to(device), offsets=self.offsets.to(device))
 
     def unpacked_codes(self) -> torch.Tensor:
         return unpack_nibbles(self.codes, self.shape[1]) if self.bits == 4 else self.codes

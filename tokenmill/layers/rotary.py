@@ -114,7 +114,7 @@ class RopeStep:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim] rotated by the tables from RotaryEmbedding.cos_sin."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin)
 
 
 _fused_available = fused_ops_available  # a name of this module's own, for tests to switch off

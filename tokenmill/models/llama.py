@@ -164,6 +164,7 @@ class DecoderForCausalLM(nn.Module):
         parent_path, _, attr = module_path.rpartition(".")
         parent = self.get_submodule(parent_path) if parent_path else self
         old = getattr(parent, attr)
+        qweight = qweight.to(old.weight.device)  # read to the CPU; the model may live on a GPU
         if isinstance(old, nn.Embedding):
             setattr(parent, attr, QuantizedEmbedding(qweight, old.weight.dtype))
             if self.lm_head is None:

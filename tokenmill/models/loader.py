@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.errors import ModelLoadError
+from tokenmill.layers.gpu_quantized import prepare_quantized_linears
 from tokenmill.layers.linear import linear_weight_bytes, pack_linear_weights, packing_available
 from tokenmill.layers.parallel import Communicator
 from tokenmill.layers.quantized import (
@@ -122,6 +123,10 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
         interleave_weights(net)
         if rounds_rows_to_8_bits(device, dtype):
             round_rows_like_batches(net)
+    if device.type == "cuda":  # our quantized kernels are CPU code: torch's int4 matmul, else dense copies
+        counts = prepare_quantized_linears(net, dtype, device)
+        if any(counts.values()):
+            logger.info("quantized linears on %s: %s", device, counts)
     return net, config, context
 
 
