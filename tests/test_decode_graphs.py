@@ -14,6 +14,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
 from tokenmill.layers.padded_decode_attention import (
     PaddedDecodeAttention,
+    keys_and_values,
     padded_decode_inputs,
     padded_decode_metadata,
 )
@@ -51,9 +52,11 @@ def _random_cache(geometry: CacheGeometry) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32)
 
 
-def test_padded_attention_matches_the_paged_backend():
+@pytest.mark.parametrize("one_storage", [True, False])
+def test_padded_attention_matches_the_paged_backend(one_storage):
     """Ragged contexts over scattered blocks, padded to 8 rows x 8 blocks: the real rows' outputs
-    and cache writes equal TorchPagedAttention's; padding touches only the scratch block."""
+    and cache writes equal TorchPagedAttention's; padding touches only the scratch block. Keys and
+    values in one storage (the runner's pool) are gathered together, else one by one."""
     kv_heads, groups, head_dim, block_size, scratch = 2, 3, 16, 4, 20
     geometry = CacheGeometry(block_size, 21, kv_heads, groups, head_dim, torch.float32, torch.device("cpu"))
     positions = [0, 5, 12, 26, 3]  # the new token's position: context length before it
@@ -74,7 +77,10 @@ def test_padded_attention_matches_the_paged_backend():
     padded = padded_decode_metadata(inputs, geometry)
     assert padded.input_ids[:5].tolist() == tokens and padded.positions[:5].tolist() == positions
     pad = lambda t: torch.cat([t, t[:1].expand(3, *t.shape[1:]) * 7.0])  # noqa: E731 - padding rows hold junk
-    out = PaddedDecodeAttention().forward(pad(q), pad(k), pad(v), cache[0], cache[1], padded, scale=0.25)
+    k_cache, v_cache = (cache[0], cache[1]) if one_storage else (cache[0].clone(), cache[1].clone())
+    assert (keys_and_values(k_cache, v_cache) is not None) == one_storage
+    out = PaddedDecodeAttention().forward(pad(q), pad(k), pad(v), k_cache, v_cache, padded, scale=0.25)
+    cache = torch.stack([k_cache, v_cache])
     assert out.shape == (8, kv_heads * groups * head_dim)
     torch.testing.assert_close(out[:5], expected, rtol=1e-5, atol=1e-5)
     untouched = [b for b in range(geometry.num_blocks) if b != scratch]

@@ -12,7 +12,7 @@ from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
 from tokenmill.layers.cpu_attention import CpuPagedAttention
 from tokenmill.layers.cpu_kernels import fused_ops_available, kernels_available
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.rotary import MATRIX_ROTATION_MAX_TOKENS, RotaryEmbedding, apply_rotary, rotation_matrices
 
 pytestmark = pytest.mark.skipif(not fused_ops_available(), reason="the fused ops need AVX-512 or AVX2")
 needs_avx512 = pytest.mark.skipif(not kernels_available(), reason="the kernel needs AVX-512")
@@ -63,6 +63,31 @@ def test_rotary_in_place_on_a_strided_view(dtype, monkeypatch):
     assert torch.equal(qkv[:, 5 * 64 :], untouched)
     _unfused(monkeypatch, rotary)
     assert rope.step(positions, dtype).tables is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_matrices_rotate_as_the_tables(dtype):
+    """The GPU's short steps rotate q and k (a strided view of the fused qkv) by one batched matmul
+    with per-token matrices: the tables' rotation, at least as close to float64's."""
+    rope = RotaryEmbedding(64, 600, 10000.0, None)
+    rope.build_cache(torch.device("cpu"))
+    positions = torch.tensor([0, 7, 300, 599])
+    cos, sin = rope.cos_sin(positions, dtype)
+    qkv = torch.randn(4, 20 * 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    qk = qkv[:, : 16 * 64].view(4, 16, 64)
+    exact = apply_rotary(qk.double(), *rope.cos_sin(positions, torch.float64))
+    by_tables, by_matrices = apply_rotary(qk, cos, sin), torch.bmm(qk, rotation_matrices(cos, sin))
+    assert (by_matrices.double() - exact).abs().max() <= (by_tables.double() - exact).abs().max() + 1e-7
+    torch.testing.assert_close(by_matrices, by_tables, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_steps_off_the_cpu_rotate_by_matrices_up_to_a_length():
+    rope = RotaryEmbedding(64, 600, 10000.0, None)
+    rope.build_cache(torch.device("meta"))
+    short = rope.step(torch.zeros(MATRIX_ROTATION_MAX_TOKENS, dtype=torch.int64, device="meta"), torch.bfloat16)
+    assert short.matrices is not None and short.matrices.shape == (MATRIX_ROTATION_MAX_TOKENS, 64, 64)
+    long = rope.step(torch.zeros(MATRIX_ROTATION_MAX_TOKENS + 1, dtype=torch.int64, device="meta"), torch.bfloat16)
+    assert long.matrices is None and long.tables is not None
 
 
 def test_rotary_refuses_positions_past_the_table():

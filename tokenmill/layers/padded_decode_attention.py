@@ -81,8 +81,24 @@ class PaddedDecodeAttention:
         num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
         batch, groups = q.shape[0], q.shape[1] // num_kv_heads
         write_kv(k_cache, v_cache, metadata.write_index, k, v)
-        keys = k_cache[:, metadata.block_table].view(num_kv_heads, batch, -1, head_dim)  # [kv_heads, B, L, head_dim]
-        values = v_cache[:, metadata.block_table].view(num_kv_heads, batch, -1, head_dim)
+        both = keys_and_values(k_cache, v_cache)
+        if both is not None:  # one gather for keys and values: a kernel less a layer
+            gathered = both[:, :, metadata.block_table]  # [2, kv_heads, B, NB, block_size, head_dim]
+            keys, values = gathered[0], gathered[1]
+        else:
+            keys, values = k_cache[:, metadata.block_table], v_cache[:, metadata.block_table]
+        keys = keys.view(num_kv_heads, batch, -1, head_dim)  # [kv_heads, B, L, head_dim]
+        values = values.view(num_kv_heads, batch, -1, head_dim)
         queries = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)  # [kv_heads, B, groups, head_dim]
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=metadata.attn_mask, scale=scale)
         return attn.transpose(0, 1).reshape(batch, -1)  # [B, num_heads * head_dim]
+
+
+def keys_and_values(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """[2, ...] over both caches where the value cache lies at a fixed offset after the key cache
+    in one storage (the model runner's [layers, 2, ...] pool), else None."""
+    offset = v_cache.storage_offset() - k_cache.storage_offset()
+    if (v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr() or offset <= 0
+            or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride()):
+        return None
+    return k_cache.as_strided((2, *k_cache.shape), (offset, *k_cache.stride()))

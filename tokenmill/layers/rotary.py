@@ -11,6 +11,9 @@ from torch import nn
 from tokenmill.errors import ModelLoadError
 from tokenmill.layers.cpu_kernels import fused_ops_available
 
+# off the CPU, steps of at most this many tokens rotate by matrices (one bmm a layer; decode)
+MATRIX_ROTATION_MAX_TOKENS = 256
+
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -79,7 +82,10 @@ class RotaryEmbedding(nn.Module):
         """What every layer of one step rotates by."""
         if positions.device.type == "cpu" and _fused_available():
             return RopeStep(positions, self.cos_cache, self.sin_cache, None)
-        return RopeStep(positions, self.cos_cache, self.sin_cache, self.cos_sin(positions, dtype))
+        tables = self.cos_sin(positions, dtype)
+        if positions.device.type != "cpu" and positions.shape[0] <= MATRIX_ROTATION_MAX_TOKENS:
+            return RopeStep(positions, self.cos_cache, self.sin_cache, tables, rotation_matrices(*tables))
+        return RopeStep(positions, self.cos_cache, self.sin_cache, tables)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for one step, shared by every layer: ([T, 1, head_dim], [T, 1, head_dim]).
@@ -103,13 +109,25 @@ class RopeStep:
     cos_cache: torch.Tensor  # [max_positions, head_dim] float32
     sin_cache: torch.Tensor
     tables: tuple[torch.Tensor, torch.Tensor] | None  # RotaryEmbedding.cos_sin, for the PyTorch path
+    matrices: torch.Tensor | None = None  # rotation_matrices of the tables, for short steps off the CPU
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] -> rotated (x itself, rotated in place, on the kernel path)."""
+        if self.matrices is not None:
+            return torch.bmm(x, self.matrices)
         if self.tables is None:
             torch.ops.tokenmill.rotary_.default(x, self.positions, self.cos_cache, self.sin_cache)
             return x
         return apply_rotary(x, *self.tables)
+
+
+def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[T, head_dim, head_dim] matrices R with x @ R = apply_rotary(x, cos, sin) for each token's
+    [heads, head_dim] rows: cos on the diagonal, sin a half turn below it. On a GPU a decode step's
+    kernels are launch-bound, and one batched matmul a layer replaces three elementwise kernels (its
+    two products and their sum are rounded once)."""
+    cos, sin = cos[:, 0], sin[:, 0]  # [T, head_dim]
+    return torch.diag_embed(cos) + torch.diag_embed(sin).roll(cos.shape[-1] // 2, dims=-2)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
