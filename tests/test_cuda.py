@@ -118,20 +118,19 @@ def test_default_model_on_cuda_follows_transformers(hf_gguf_on_cuda):
     from test_default_model import check_follows_up_to_near_ties, check_greedy_matches
 
     fp32 = LLM(dtype="float32", device="cuda", num_kv_blocks=256)
-    head = fp32.engine.executor.runner.model.lm_head
-    assert isinstance(fp32.engine.executor.runner.model.layers[0].mlp.down_proj.batched, DequantizedLinear)
-    assert isinstance(head.batched, DequantizedLinear)  # Q8_0
+    model = fp32.engine.executor.runner.model
+    assert isinstance(model.layers[0].mlp.down_proj, DequantizedLinear) and isinstance(model.lm_head, DequantizedLinear)
     check_greedy_matches(fp32, hf_gguf_on_cuda)
     bf16 = LLM(device="cuda", num_kv_blocks=256)
-    layer = bf16.engine.executor.runner.model.layers[0]
-    assert bf16.engine.dtype == torch.bfloat16
+    layer, head = bf16.engine.executor.runner.model.layers[0], bf16.engine.executor.runner.model.lm_head
+    assert bf16.engine.dtype == torch.bfloat16 and isinstance(head, DequantizedLinear)  # Q8_0
     assert all(isinstance(linear.batched, Int4TinyGemmLinear)
                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
     check_follows_up_to_near_ties(bf16, hf_gguf_on_cuda, later_gap=0.5)
 
 
 def test_cuda_graph_decode_on_the_default_model():
-    """The GGUF's own Q4_1 weights in bf16 (dequantized on the fly inside the graph). In bf16 the
+    """The GGUF's own Q4_1 weights in bf16 (torch's int4 matmul inside the graph). In bf16 the
     padded attention and the eager one round differently, so the replayed graphs are compared with
     the same padded steps run without capture (the same kernels: identical tokens), and with the
     eager engine on the first tokens."""

@@ -61,16 +61,19 @@ def test_tinygemm_tiles_what_it_can_hold():
 
 def test_prepare_sends_each_linear_its_way():
     int4, int8 = random_weight(16, 64, 32), quantize_rtn(torch.randn(16, 64), 8, 32)
-    model = nn.Sequential(QuantizedLinear(int4), QuantizedLinear(int8, torch.randn(16).bfloat16()), nn.Linear(64, 16))
+    bias = torch.randn(16).bfloat16()
+    model = nn.Sequential(QuantizedLinear(int4), QuantizedLinear(int8, bias), nn.Linear(64, 16))
     counts = prepare_quantized_linears(model, torch.bfloat16, CPU)
-    expected_int4 = 1 if tinygemm_available(CPU) else 0
-    assert counts == {"int4 tinygemm": expected_int4, "dense copy": 2 - expected_int4}
-    assert isinstance(model[0].batched, Int4TinyGemmLinear if expected_int4 else DequantizedLinear)
-    assert isinstance(model[1].batched, DequantizedLinear) and model[1].batched.weight.dtype == torch.bfloat16
+    if tinygemm_available(CPU):
+        assert counts == {"int4 tinygemm": 1, "dense copy": 1}
+        assert isinstance(model[0], QuantizedLinear) and isinstance(model[0].batched, Int4TinyGemmLinear)
+    else:
+        assert counts == {"int4 tinygemm": 0, "dense copy": 2} and isinstance(model[0], DequantizedLinear)
+    assert isinstance(model[1], DequantizedLinear) and model[1].weight.dtype == torch.bfloat16  # codes dropped
+    assert isinstance(model[2], nn.Linear)
     x = torch.randn(3, 64)
-    assert torch.equal(model[1].batched(x.bfloat16()), F.linear(x.bfloat16(), int8.dequantize(torch.bfloat16),
-                                                                model[1].bias))
+    assert torch.equal(model[1](x.bfloat16()), F.linear(x.bfloat16(), int8.dequantize(torch.bfloat16), bias))
     # float32 models get dense copies whatever the layout: tinygemm takes bf16 activations only
     model = nn.Sequential(QuantizedLinear(int4))
     assert prepare_quantized_linears(model, torch.float32, CPU) == {"int4 tinygemm": 0, "dense copy": 1}
-    assert torch.allclose(model[0].batched(x), x @ int4.dequantize().T, atol=1e-5)
+    assert torch.allclose(model[0](x), x @ int4.dequantize().T, atol=1e-5)

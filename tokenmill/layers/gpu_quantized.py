@@ -6,9 +6,9 @@ group's scale s and offset o become a bf16 (scale, zero) pair with w = (u - 8) *
 zero = o + 8 s. The weights stay 4-bit in GPU memory and a decode row reads a quarter of bf16's
 bytes, in one kernel per linear (dequantizing per call takes ~8, which a launch-bound decode step
 cannot afford). Batches of more than INT4_MAX_ROWS rows (prefill) dequantize the weight per call
-for cuBLAS instead. Every other layout (8-bit, 16-column groups, shapes tinygemm cannot tile) and
-float16/float32 models get a dense copy of the dequantized weight at load: as fast as an
-unquantized model, in its memory.
+for cuBLAS instead. Every other layout (8-bit, 16-column groups, shapes tinygemm cannot tile), and
+every linear of a float16/float32 model, is replaced at load by a dense copy of its dequantized
+weight: as fast as an unquantized model, in its memory.
 
 The same module runs on the CPU through torch's CPU twin of the op (`_for_cpu`), which is how
 the CPU tests check the scale/zero mapping; on CPUs our own kernels (layers/quantized.py) serve.
@@ -79,19 +79,21 @@ class DequantizedLinear(nn.Module):
 
 
 def prepare_quantized_linears(model: nn.Module, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
-    """Give every QuantizedLinear of the model its batched module for a device without our
-    kernels: tinygemm where it holds the weight, else a dense dequantized copy. Returns how many
-    linears went each way."""
+    """For a device without our kernels: give every QuantizedLinear whose weight tinygemm holds an
+    Int4TinyGemmLinear as its batched module, and swap every other one for a DequantizedLinear
+    (its codes are then freed, unless a quantized embedding shares them). Returns how many linears
+    went each way."""
     counts = {"int4 tinygemm": 0, "dense copy": 0}
     tinygemm = dtype == torch.bfloat16 and tinygemm_available(device)
-    for module in model.modules():
-        if not isinstance(module, QuantizedLinear) or not isinstance(module.qweight, QuantizedWeight):
-            continue
-        tiles = tinygemm_inner_k_tiles(module.qweight) if tinygemm else None
-        if tiles is not None:
-            module.batched = Int4TinyGemmLinear(module.qweight, module.bias, tiles)
-            counts["int4 tinygemm"] += 1
-        else:
-            module.batched = DequantizedLinear(module.qweight.dequantize(dtype), module.bias)
-            counts["dense copy"] += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, QuantizedLinear) or not isinstance(child.qweight, QuantizedWeight):
+                continue
+            tiles = tinygemm_inner_k_tiles(child.qweight) if tinygemm else None
+            if tiles is not None:
+                child.batched = Int4TinyGemmLinear(child.qweight, child.bias, tiles)
+                counts["int4 tinygemm"] += 1
+            else:
+                setattr(parent, name, DequantizedLinear(child.qweight.dequantize(dtype), child.bias))
+                counts["dense copy"] += 1
     return counts
