@@ -31,8 +31,8 @@ dequantizes the weight for itself. CPUs with AVX2 but no AVX-512 have quant_gemv
 and the dequantizer (csrc/quant_gemv_avx2.cpp): few rows, and batches of up to I8_BATCH_MAX_ROWS,
 read the codes there too (uses_batched_i8), each row rounded and summed as it would be alone.
 Without any kernel (other CPUs) few rows go the dequantizing way: correct, not fast. On CUDA the
-loader gives every linear a `batched` module of layers/gpu_quantized.py (torch's int4 matmul, or a
-dense copy).
+loader gives 4-bit linears torch's int4 matmul as their `batched` module and swaps the others for
+dense copies (layers/gpu_quantized.py).
 """
 
 from __future__ import annotations
