@@ -13,14 +13,15 @@ from tokenmill.layers.cpu_kernels import decode_attention_rows_available
 pytestmark = pytest.mark.skipif(not decode_attention_rows_available(), reason="the AVX2 build's op")
 
 
-def _decode_step(dtype: torch.dtype, groups: int, head_dim: int, use_kernel: bool, monkeypatch) -> torch.Tensor:
+def _decode_step(dtype: torch.dtype, groups: int, head_dim: int, use_kernel: bool, monkeypatch,
+                 cache_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A prefill of three sequences (different lengths, scattered blocks), then one decode step's output."""
     monkeypatch.setattr(attention, "_rows_kernel_available", lambda: use_kernel)
     kv_heads, block_size, num_blocks = 2, 16, 12
     geometry = CacheGeometry(block_size, num_blocks, kv_heads, groups, head_dim, dtype, torch.device("cpu"))
     backend = TorchPagedAttention()
-    caches = (torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype),
-              torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype))
+    caches = (torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=cache_dtype or dtype),
+              torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=cache_dtype or dtype))
     gen = torch.Generator().manual_seed(0)
     tables, prompt_lens = [[3, 7, 1], [0, 11], [5]], [40, 16, 9]
     out = None
@@ -41,6 +42,24 @@ def test_kernel_decode_equals_the_pytorch_path(dtype, groups, head_dim, monkeypa
     want = _decode_step(dtype, groups, head_dim, False, monkeypatch)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("groups,head_dim", [(3, 64), (2, 80)])
+def test_a_16_bit_cache_under_float32_queries(cache_dtype, groups, head_dim, monkeypatch):
+    """A float32 model's 16-bit pool (kv_cache_dtype): the kernel widens each row as it reads it,
+    so it computes what it computes over the widened cache, bit for bit; the PyTorch path agrees."""
+    got = _decode_step(torch.float32, groups, head_dim, True, monkeypatch, cache_dtype)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, _decode_step(torch.float32, groups, head_dim, False, monkeypatch, cache_dtype),
+                               rtol=1e-5, atol=1e-5)
+    q = torch.randn(2, 2 * groups, head_dim)
+    cache = torch.randn(2, 4, 16, head_dim).to(cache_dtype)
+    table, lens = torch.tensor([[1, 2], [3, 0]]), torch.tensor([20, 5])
+    narrow = torch.ops.tokenmill.decode_attention_rows(q, cache, cache, table, lens, 0.2)
+    assert torch.equal(narrow, torch.ops.tokenmill.decode_attention_rows(q, cache.float(), cache.float(), table, lens, 0.2))
+    with pytest.raises(RuntimeError, match="16-bit one under float32"):
+        torch.ops.tokenmill.decode_attention_rows(q.bfloat16(), cache.float(), cache.float(), table, lens, 0.2)
 
 
 def test_kernel_takes_strided_query_rows():

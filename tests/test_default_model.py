@@ -78,6 +78,16 @@ def test_bf16_quantized_path_follows_transformers_up_to_near_ties(hf_gguf_model)
     check_follows_up_to_near_ties(LLM(dtype="bfloat16", num_kv_blocks=256), hf_gguf_model, later_gap)
 
 
+def test_float16_kv_cache_follows_transformers_up_to_near_ties(hf_gguf_model):
+    """float32 with a float16 KV cache (--kv-cache-dtype float16: half the pool's memory, what
+    llama.cpp keeps by default): keys and values rounded once as they are cached."""
+    from tokenmill import LLM
+
+    llm = LLM(dtype="float32", kv_cache_dtype="float16", num_kv_blocks=256)
+    assert llm.engine.executor.runner.kv_cache.dtype == torch.float16
+    check_follows_up_to_near_ties(llm, hf_gguf_model, later_gap=0.5)
+
+
 def greedy_prompts(llm) -> list[list[int]]:
     """The token ids of the two plain prompts and the two chat prompts."""
     tokenizer = llm.get_tokenizer()

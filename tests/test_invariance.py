@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.quantized import QuantizedLinear
@@ -22,36 +23,36 @@ def _tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.fixture(scope="module", params=[None, "int4"], ids=["float", "int4"])
-def quantization(request):
-    """Every invariance holds for a model whose linears are quantized too."""
+@pytest.fixture(scope="module", params=[{}, {"quantization": "int4"}, {"kv_cache_dtype": "float16"}],
+                ids=["float", "int4", "fp16-kv"])
+def variant(request):
+    """Every invariance holds for a model whose linears are quantized too, and for a float32 model
+    keeping a 16-bit KV cache (fresh prompts attend to keys and values rounded as cached ones are)."""
     return request.param
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir, quantization):
+def reference(tiny_llama_dir, variant):
     """Each prompt run alone, without prefix caching."""
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False,
-              quantization=quantization)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False, **variant)
     layers = list(llm.engine.executor.loaded.model.modules())
-    assert any(isinstance(m, QuantizedLinear) for m in layers) == (quantization is not None)
+    assert any(isinstance(m, QuantizedLinear) for m in layers) == ("quantization" in variant)
+    assert llm.engine.executor.runner.kv_cache.dtype == getattr(torch, variant.get("kv_cache_dtype", "float32"))
     return [_tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS]
 
 
-def test_all_together(tiny_llama_dir, reference, quantization):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False,
-              quantization=quantization)
+def test_all_together(tiny_llama_dir, reference, variant):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False, **variant)
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
 
 
-def test_chunked_prefill(tiny_llama_dir, reference, quantization):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=7,
-              quantization=quantization)
+def test_chunked_prefill(tiny_llama_dir, reference, variant):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=7, **variant)
     assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
 
 
-def test_prefix_cache_hits(tiny_llama_dir, reference, quantization):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, quantization=quantization)
+def test_prefix_cache_hits(tiny_llama_dir, reference, variant):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, **variant)
     first = _tokens(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
     hits_before = llm.stats().kv_cache.prefix_cache_hits
     rest = _tokens(llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False))
@@ -63,10 +64,29 @@ def test_prefix_cache_hits(tiny_llama_dir, reference, quantization):
     assert stats.num_used_blocks == 0
 
 
-def test_preemption(tiny_llama_dir, reference, quantization):
+def test_prefix_hit_logprobs_equal_a_fresh_prompts(tiny_llama_dir, variant):
+    """Not only the tokens: a prompt whose prefix was cached attends to the same keys and values as
+    one computed whole (with a 16-bit cache: rounded the same way; unrounded fresh keys would put
+    the log-probabilities ~1e-3 apart). The two attend in different kernels: within 1e-4; with
+    int4 linears within 1e-3, since the quantized kernels round a step's activations by its rows
+    (2.5e-4 measured on an AVX2 CPU)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    fresh = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, enable_prefix_caching=False, **variant)
+    want = fresh.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=128, **variant)
+    llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    hit = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    assert hit.num_cached_tokens >= 16
+    got = hit.outputs[0]
+    assert got.token_ids == want.token_ids
+    assert [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)] == \
+        pytest.approx([lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)],
+                      abs=1e-3 if "quantization" in variant else 1e-4)
+
+
+def test_preemption(tiny_llama_dir, reference, variant):
     # Each prompt needs up to 10 blocks to finish; 14 blocks cannot hold them all at once.
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, enable_prefix_caching=False,
-              quantization=quantization)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, enable_prefix_caching=False, **variant)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     assert any(o.metrics.num_preemptions > 0 for o in outputs)
@@ -74,9 +94,8 @@ def test_preemption(tiny_llama_dir, reference, quantization):
     assert llm.stats().kv_cache.num_used_blocks == 0
 
 
-def test_preemption_with_prefix_cache_and_chunking(tiny_llama_dir, reference, quantization):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=9,
-              quantization=quantization)
+def test_preemption_with_prefix_cache_and_chunking(tiny_llama_dir, reference, variant):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, max_num_batched_tokens=9, **variant)
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.stats().num_preemptions > 0
     assert _tokens(outputs) == reference

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams, TokensPrompt, __version__
 from tokenmill.errors import InvalidParameterError, RequestTooLongError
@@ -152,6 +153,10 @@ def test_bad_engine_arguments(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), kv_cache_memory=10)
     with pytest.raises(InvalidParameterError, match="fraction"):
         LLM(model=str(tiny_llama_dir), kv_cache_memory=1.5)
+    with pytest.raises(InvalidParameterError, match="kv_cache_dtype must be one of"):
+        LLM(model=str(tiny_llama_dir), kv_cache_dtype="fp8")
+    with pytest.raises(InvalidParameterError, match="needs a float32 model"):
+        LLM(model=str(tiny_llama_dir), dtype="bfloat16", kv_cache_dtype="float16")
 
 
 def test_kv_cache_memory_budget_sets_pool_size(tiny_llama_dir):
@@ -160,6 +165,24 @@ def test_kv_cache_memory_budget_sets_pool_size(tiny_llama_dir):
     assert llm.stats().kv_cache.num_blocks == 3_000_000 // per_block
     by_fraction = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=0.001)
     assert by_fraction.stats().kv_cache.num_blocks > 0
+    half = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=3_000_000, kv_cache_dtype="float16")
+    assert half.stats().kv_cache.num_blocks == 3_000_000 // (per_block // 2)  # a 16-bit pool: twice the blocks
+    assert half.engine.executor.runner.kv_cache.dtype == torch.float16
+
+
+def test_kv_cache_dtype_auto(tiny_llama_dir):
+    """auto: the model's dtype, but float16 under a float32 model that dtype auto chose because the
+    CPU has no native bf16 (what llama.cpp keeps); an explicit float32 model keeps float32."""
+    from tokenmill.platform import cpu_has_native_bf16, resolve_kv_cache_dtype
+
+    auto = LLM(model=str(tiny_llama_dir), num_kv_blocks=8)
+    assert auto.engine.executor.runner.kv_cache.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float16)
+    assert auto.engine.config.cache.kv_cache_dtype == str(auto.engine.kv_cache_dtype).removeprefix("torch.")
+    explicit = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=8)
+    assert explicit.engine.executor.runner.kv_cache.dtype == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.float32, chosen_for_the_cpu=True) == torch.float16
+    assert resolve_kv_cache_dtype("float32", torch.float32, chosen_for_the_cpu=True) == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, chosen_for_the_cpu=True) == torch.bfloat16
 
 
 def test_kv_waste_stays_small_and_blocks_return(tiny_llm):

@@ -9,6 +9,7 @@ from tokenmill.errors import TokenmillError
 
 
 QUANTIZATION_ARGS = ["auto", "none", "int8", "int4"]
+KV_CACHE_DTYPE_HELP = "what the KV cache holds: auto is the model's dtype; a float32 model may keep float16 or bfloat16"
 QUANTIZATION_HELP = ("weights: auto keeps a GGUF's own quantization (HF models stay in --dtype), none dequantizes, "
                      "int8/int4 quantize the linears at load (group-wise, round to nearest)")
 ENFORCE_EAGER_HELP = "on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs"
@@ -20,7 +21,7 @@ def _quantization(arg: str) -> str | None:
 
 def _generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.engine_core import LLMEngine
-    from tokenmill.config import EngineConfig, SchedulerConfig
+    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenmill.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -28,6 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
                                     quantization=_quantization(args.quantization),
                                     tensor_parallel_size=args.tensor_parallel_size, rendezvous=args.rendezvous,
                                     enforce_eager=args.enforce_eager,
+                                    cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
                                     scheduler=SchedulerConfig(max_model_len=args.max_model_len)))
     try:
         return _stream_generation(engine, args, params)
@@ -79,6 +81,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
     serve.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
+    serve.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help=KV_CACHE_DTYPE_HELP)
     serve.add_argument("--max-queued-requests", type=int, default=1024,
                        help="waiting requests beyond this get 503 with Retry-After")
     serve.add_argument("--stream-stall-timeout", type=float, default=60.0, metavar="S",
@@ -136,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--quantization", default="auto", choices=QUANTIZATION_ARGS, help=QUANTIZATION_HELP)
     gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help=KV_CACHE_DTYPE_HELP)
     gen.add_argument("--tensor-parallel-size", type=int, default=1, help="split the model over N processes")
     gen.add_argument("--enforce-eager", action="store_true", help=ENFORCE_EAGER_HELP)
     gen.set_defaults(func=_generate, rendezvous=None)

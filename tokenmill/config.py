@@ -104,6 +104,8 @@ class CacheConfig:
     # are reused: beyond it, resident KV grows only with what is in use at once.
     prefix_cache_reserve: float = 0.25
     num_blocks: int | None = None  # overrides the memory budget (tests)
+    # what the pool holds: "auto" (the model's dtype), or float16 / bfloat16 under a float32 model
+    kv_cache_dtype: str = "auto"
     # Keys the prefix-block hashes; None: random per engine. Replicas behind one router share one.
     prefix_hash_key: bytes | None = None
 

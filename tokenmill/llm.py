@@ -37,6 +37,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
         enforce_eager: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or block_size < 1:
             raise InvalidParameterError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
@@ -60,6 +61,7 @@ class LLM:
                 kv_cache_memory_fraction=kv_fraction,
                 enable_prefix_caching=enable_prefix_caching,
                 num_blocks=num_kv_blocks,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

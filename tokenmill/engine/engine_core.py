@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import InputProcessor
@@ -24,7 +25,8 @@ from tokenmill.errors import EngineDeadError, InvalidParameterError
 from tokenmill.executor.base import Executor, create_executor
 from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.platform import (
-    available_memory_bytes, limit_onednn_primitive_cache, resolve_device, resolve_dtype, set_cpu_threads,
+    available_memory_bytes, limit_onednn_primitive_cache, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
+    set_cpu_threads,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -38,6 +40,11 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype,
+                                                     chosen_for_the_cpu=config.dtype == "auto" and self.device.type == "cpu")
+        # executors and tensor-parallel ranks get the pool's dtype by name, "auto" resolved here once
+        cache_dtype_name = str(self.kv_cache_dtype).removeprefix("torch.")
+        config = self.config = replace(config, cache=replace(config.cache, kv_cache_dtype=cache_dtype_name))
         if config.tensor_parallel_size < 1:
             raise InvalidParameterError("tensor_parallel_size must be at least 1", param="tensor_parallel_size")
         if self.device.type == "cpu":
@@ -54,7 +61,7 @@ class LLMEngine:
         self.weight_formats = loaded.weight_formats
         cache = config.cache
         # Each tensor-parallel rank holds its share of every block: size the pool by this rank's heads.
-        bytes_per_block = loaded.model.config.kv_bytes_per_block(cache.block_size, self.dtype.itemsize)
+        bytes_per_block = loaded.model.config.kv_bytes_per_block(cache.block_size, self.kv_cache_dtype.itemsize)
         num_blocks = cache.num_blocks or self._num_blocks_from_budget(bytes_per_block)
         self.kv_cache = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                        hash_key=cache.prefix_hash_key, prefix_cache_reserve=cache.prefix_cache_reserve)
@@ -66,8 +73,9 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step: StepStats | None = None
         logger.info(
-            "loaded %s (%s, %s on %s): %d KV blocks of %d tokens",
+            "loaded %s (%s, %s on %s): %d KV blocks of %d tokens (%s)",
             self.model_path.name, self.model_config.architecture, self.dtype, self.device, num_blocks, cache.block_size,
+            self.kv_cache_dtype,
         )
 
     def _num_blocks_from_budget(self, bytes_per_block: int) -> int:

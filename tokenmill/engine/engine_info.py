@@ -129,3 +129,4 @@ class EngineInfo:
     facts: EngineFacts
     stats: EngineStats
     peaks: DevicePeaks  # known without measuring; an engine process may send better ones later
+    kv_cache_dtype: str = ""  # what the KV pool holds ("float16", ...); "" from an older engine: dtype

@@ -114,7 +114,8 @@ def engine_info(engine, peaks: DevicePeaks) -> EngineInfo:
     return EngineInfo(
         model_path=str(engine.model_path), model_config=engine.model_config,
         dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device), limits=engine.limits,
-        facts=engine.facts(), stats=engine.stats(), peaks=peaks)
+        facts=engine.facts(), stats=engine.stats(), peaks=peaks,
+        kv_cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."))
 
 
 class CommandReader:

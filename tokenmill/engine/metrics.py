@@ -58,9 +58,9 @@ class CostModel:
 
     @classmethod
     def for_model(cls, config: ModelConfig, dtype: str, peaks: DevicePeaks, cost_per_hour: float | None = None,
-                  max_num_batched_tokens: int = 2048) -> CostModel:
+                  max_num_batched_tokens: int = 2048, kv_cache_dtype: str | None = None) -> CostModel:
         model = ModelMath(config)
-        return cls(model.num_matmul_params, model.weight_bytes(dtype), model.kv_bytes_per_token(dtype),
+        return cls(model.num_matmul_params, model.weight_bytes(dtype), model.kv_bytes_per_token(kv_cache_dtype or dtype),
                    model.attention_flops_per_pair, peaks, cost_per_hour, max_num_batched_tokens)
 
     def flops(self, step: StepStats) -> float:

@@ -9,6 +9,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.models.loader import LoadedModel, load_model
 from tokenmill.outputs import ModelRunnerOutput
+from tokenmill.platform import resolve_kv_cache_dtype
 from tokenmill.worker import decode_graphs
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -31,7 +32,8 @@ class LocalExecutor:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size, self.device, self.dtype,
-                                  decode_graphs=decode_graphs.uses_decode_graphs(self.device, self.config.enforce_eager))
+                                  decode_graphs=decode_graphs.uses_decode_graphs(self.device, self.config.enforce_eager),
+                                  kv_cache_dtype=resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

@@ -33,6 +33,7 @@ from tokenmill.layers.parallel import Communicator
 from tokenmill.models.loader import LoadedModel, load_model, load_model_config
 from tokenmill.models.sharding import check_divisible
 from tokenmill.outputs import ModelRunnerOutput
+from tokenmill.platform import resolve_kv_cache_dtype
 from tokenmill.worker.forward_input import ForwardInput
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -79,6 +80,7 @@ class WorkerSpec:
     max_model_len: int | None
     block_size: int
     num_threads: int
+    kv_cache_dtype: str = "auto"
 
 
 def make_group(store: dist.Store, rank: int, world_size: int, device: torch.device):
@@ -125,7 +127,7 @@ class TensorParallelExecutor:
             model=config.model, dtype=str(dtype).removeprefix("torch."), device=config.device,
             quantization=config.quantization,
             max_model_len=config.scheduler.max_model_len, block_size=config.cache.block_size,
-            num_threads=torch.get_num_threads(),
+            num_threads=torch.get_num_threads(), kv_cache_dtype=config.cache.kv_cache_dtype,
         )
         rendezvous = config.rendezvous or Rendezvous("127.0.0.1", 0, world, token=secrets.token_hex(16))
         self.comm = Communicator(0, world)
@@ -162,7 +164,8 @@ class TensorParallelExecutor:
         except Exception as exc:
             self.shutdown()
             raise WorkerDiedError(f"tensor-parallel workers did not join: {exc}") from exc
-        self.runner = ModelRunner(self.loaded.model, num_blocks, self.spec.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.loaded.model, num_blocks, self.spec.block_size, self.device, self.dtype,
+                                  kv_cache_dtype=resolve_kv_cache_dtype(self.spec.kv_cache_dtype, self.dtype))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()

@@ -22,7 +22,7 @@ from tokenmill.executor.tensor_parallel import (
 )
 from tokenmill.layers.parallel import Communicator
 from tokenmill.models.loader import load_model
-from tokenmill.platform import limit_onednn_primitive_cache, resolve_device, resolve_dtype
+from tokenmill.platform import limit_onednn_primitive_cache, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from tokenmill.worker.forward_input import MalformedStepError
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -46,7 +46,8 @@ def run(host: str, port: int, rank: int, world_size: int) -> None:
                         quantization=spec.quantization)
     num_blocks = int(store.get(NUM_BLOCKS_KEY))  # rank 0 sizes the KV pool once its shard is loaded
     comm.group = make_group(store, rank, world_size, device)
-    runner = ModelRunner(loaded.model, num_blocks, spec.block_size, device, dtype)
+    runner = ModelRunner(loaded.model, num_blocks, spec.block_size, device, dtype,
+                         kv_cache_dtype=resolve_kv_cache_dtype(spec.kv_cache_dtype, dtype))
     while (step := receive_step(comm.group)) is not None:
         runner.forward(step)
 

@@ -166,10 +166,17 @@ def prefill_bucket(step: StepLayout, members: torch.Tensor, geometry: CacheGeome
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """The step's keys and values [T, kv_heads, head_dim] into the cache rows write_index (of each
-    cache, in the row layout, viewed as [-1, head_dim])."""
+    cache, in the row layout, viewed as [-1, head_dim]), rounded to the cache's dtype."""
     head_dim = k_cache.shape[-1]
-    k_cache.view(-1, head_dim).index_copy_(0, write_index, k.transpose(0, 1).reshape(-1, head_dim))
-    v_cache.view(-1, head_dim).index_copy_(0, write_index, v.transpose(0, 1).reshape(-1, head_dim))
+    for cache, rows in ((k_cache, k), (v_cache, v)):
+        cache.view(-1, head_dim).index_copy_(0, write_index, rows.transpose(0, 1).reshape(-1, head_dim).to(cache.dtype))
+
+
+def as_cached(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """rows as a later step reads them back from `cache`: rounded to its dtype where that is
+    narrower (a float32 model's 16-bit pool), so that a prompt attends to the same keys and values
+    whether they were computed in its own step or found in the cache."""
+    return rows if cache.dtype == rows.dtype else rows.to(cache.dtype).to(rows.dtype)
 
 
 class AttentionBackend(Protocol):
@@ -274,7 +281,7 @@ class TorchPagedAttention:
         if prefill is not None:
             self._prefill_into(out, q, k_cache, v_cache, prefill, scale)
         if metadata.fresh_prefills:
-            self._prefill_fresh(q, k, v, metadata.fresh_prefills, scale, out)
+            self._prefill_fresh(q, as_cached(k, k_cache), as_cached(v, v_cache), metadata.fresh_prefills, scale, out)
         return out
 
     def _prefill_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[tuple[int, int]],
@@ -298,7 +305,8 @@ class TorchPagedAttention:
         write_kv(k_cache, v_cache, metadata.write_index, k, v)
 
     def _gather_keys(self, k_cache: torch.Tensor, gather_index: torch.Tensor, context_len: int) -> torch.Tensor:
-        """The blocks of gather_index as keys [kv_heads, B, context_len, head_dim] (a workspace view)."""
+        """The blocks of gather_index as keys [kv_heads, B, context_len, head_dim] (a workspace view,
+        in the cache's dtype)."""
         num_kv_heads, num_blocks, _, head_dim = k_cache.shape
         keys = self._gather(k_cache.view(num_kv_heads * num_blocks, -1), gather_index)
         return keys.view(num_kv_heads, -1, context_len, head_dim)
@@ -313,13 +321,18 @@ class TorchPagedAttention:
         batch, groups = q.shape[0], q.shape[1] // num_kv_heads
         queries = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)
         queries = queries.reshape(num_kv_heads * batch, groups, head_dim)  # [kv_heads * B, groups, head_dim]
-        keys = self._gather_keys(k_cache, bucket.gather_index, bucket.context_len)
+        keys = self._gather_keys(k_cache, bucket.gather_index, bucket.context_len).to(q.dtype)
         keys = keys.view(num_kv_heads * batch, bucket.context_len, head_dim)
         scores = torch.baddbmm(bucket.attn_mask, queries, keys.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        # probs @ values without gathering the values: a weighted sum of cache rows per bag
-        attn = F.embedding_bag(bucket.value_index, v_cache.view(-1, head_dim), bucket.value_offsets,
-                               mode="sum", per_sample_weights=probs.view(-1))  # [kv_heads * B * groups, head_dim]
+        if v_cache.dtype == q.dtype:
+            # probs @ values without gathering the values: a weighted sum of cache rows per bag
+            attn = F.embedding_bag(bucket.value_index, v_cache.view(-1, head_dim), bucket.value_offsets,
+                                   mode="sum", per_sample_weights=probs.view(-1))  # [kv_heads * B * groups, head_dim]
+        else:  # a narrower pool: gather the values and widen them
+            num_blocks = v_cache.shape[1]
+            values = self._gather(v_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index, slot=1).to(q.dtype)
+            attn = torch.bmm(probs, values.view(num_kv_heads * batch, bucket.context_len, head_dim))
         return attn.view(num_kv_heads, batch, groups * head_dim).transpose(0, 1).reshape(batch, -1)
 
     def _prefill_into(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -335,8 +348,9 @@ class TorchPagedAttention:
         groups = num_heads // num_kv_heads
         # keys/values: [kv_heads, B, L, head_dim], contiguous
         shape = (num_kv_heads, batch, bucket.context_len, head_dim)
-        keys = self._gather_keys(k_cache, bucket.gather_index, bucket.context_len)
+        keys = self._gather_keys(k_cache, bucket.gather_index, bucket.context_len).to(q.dtype)
         values = self._gather(v_cache.view(num_kv_heads * num_blocks, -1), bucket.gather_index, slot=1).view(shape)
+        values = values.to(q.dtype)
         # queries: [kv_heads, B, Q * groups, head_dim]; SDPA sees kv_heads as batch, B as heads
         queries = q[bucket.query_index].view(batch, max_q, num_kv_heads, groups, head_dim)
         queries = queries.permute(2, 0, 1, 3, 4).reshape(num_kv_heads, batch, max_q * groups, head_dim)

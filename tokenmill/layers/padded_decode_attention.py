@@ -87,8 +87,8 @@ class PaddedDecodeAttention:
             keys, values = gathered[0], gathered[1]
         else:
             keys, values = k_cache[:, metadata.block_table], v_cache[:, metadata.block_table]
-        keys = keys.view(num_kv_heads, batch, -1, head_dim)  # [kv_heads, B, L, head_dim]
-        values = values.view(num_kv_heads, batch, -1, head_dim)
+        keys = keys.view(num_kv_heads, batch, -1, head_dim).to(q.dtype)  # [kv_heads, B, L, head_dim]
+        values = values.view(num_kv_heads, batch, -1, head_dim).to(q.dtype)
         queries = q.view(batch, num_kv_heads, groups, head_dim).transpose(0, 1)  # [kv_heads, B, groups, head_dim]
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=metadata.attn_mask, scale=scale)
         return attn.transpose(0, 1).reshape(batch, -1)  # [B, num_heads * head_dim]

@@ -49,6 +49,7 @@ class ServeOptions:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"
     max_queued_requests: int | None = 1024
     drain_timeout: float = 30.0
     stream_stall_timeout: float = 60.0
@@ -153,7 +154,7 @@ def serve(options: ServeOptions) -> int:
             _import_http_stack()  # meanwhile too
             engine = client.wait_ready(tokenizer_for, _grammar_compiler)
             return _serve(options, AsyncLLMEngine(core=client, **_engine_options(options)), engine.info.peaks,
-                          engine.info.dtype, chat_template, measure_here=False)
+                          engine.info.dtype, chat_template, measure_here=False, kv_cache_dtype=engine.info.kv_cache_dtype)
         finally:
             client.shutdown()
     from tokenmill.engine.engine_core import LLMEngine  # torch: only a process that runs the engine loads it
@@ -162,7 +163,8 @@ def serve(options: ServeOptions) -> int:
     try:
         peaks = known_peaks(engine.device, options.peak_tflops, options.peak_bandwidth_gbs)
         return _serve(options, AsyncLLMEngine(engine, **_engine_options(options)), peaks,
-                      str(engine.dtype).removeprefix("torch."), chat_template, measure_here=engine.device.type == "cpu")
+                      str(engine.dtype).removeprefix("torch."), chat_template, measure_here=engine.device.type == "cpu",
+                      kv_cache_dtype=str(engine.kv_cache_dtype).removeprefix("torch."))
     finally:
         engine.shutdown()
 
@@ -212,7 +214,8 @@ def _serve_replicas(options: ServeOptions, config: EngineConfig, chat_template: 
                               config.cache.prefix_hash_key, options.routing)
         replicas = ReplicaSet(clients, router, fork_replica, wait_replica)
         return _serve(options, AsyncLLMEngine(core=replicas, **_engine_options(options)), first.info.peaks,
-                      first.info.dtype, chat_template, measure_here=False, replicas=replicas)
+                      first.info.dtype, chat_template, measure_here=False, replicas=replicas,
+                      kv_cache_dtype=first.info.kv_cache_dtype)
     finally:
         if replicas is not None:
             replicas.shutdown()
@@ -232,7 +235,7 @@ def _engine_config(options: ServeOptions) -> EngineConfig:
         tensor_parallel_size=options.tensor_parallel_size,
         enforce_eager=options.enforce_eager,
         rendezvous=options.rendezvous,
-        cache=CacheConfig(kv_cache_memory=options.kv_cache_memory),
+        cache=CacheConfig(kv_cache_memory=options.kv_cache_memory, kv_cache_dtype=options.kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_num_seqs=options.max_num_seqs,
             max_num_batched_tokens=options.max_num_batched_tokens,
@@ -284,7 +287,8 @@ def _import_http_stack():
 
 
 def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePeaks, dtype: str,
-           chat_template: str | None, measure_here: bool, replicas: ReplicaSet | None = None) -> int:
+           chat_template: str | None, measure_here: bool, replicas: ReplicaSet | None = None,
+           kv_cache_dtype: str = "") -> int:
     """Serve an engine (here or in its process) until a drain or its death; returns the exit status.
 
     peaks: the device's, known so far (an engine process fills them in when it has measured the
@@ -297,7 +301,7 @@ def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePea
     # FLOPs and bytes per step of the loaded model against the device's peaks: given, else from the
     # catalog (known GPUs) or this CPU's cached measurement; unknown peaks leave MFU/MBU undefined.
     cost_model = CostModel.for_model(engine.model_config, dtype, peaks, options.cost_per_hour,
-                                     options.max_num_batched_tokens)
+                                     options.max_num_batched_tokens, kv_cache_dtype or None)
     metrics = ServingMetrics(model_name, UtilizationWindow(cost_model, options.metrics_window),
                              log_prompts=options.log_prompts)
     async_engine.step_observer = metrics.observe_step

@@ -30,9 +30,13 @@ class ModelRunner:
         dtype: torch.dtype,
         backend: AttentionBackend | None = None,
         decode_graphs: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """decode_graphs: pure decode steps replay CUDA graphs (worker/decode_graphs.py); the cache
-        then gets one block more than the pool's num_blocks, the padding rows' scratch block."""
+        then gets one block more than the pool's num_blocks, the padding rows' scratch block.
+        kv_cache_dtype: what the pool holds (None: dtype); a 16-bit pool under a float32 model is
+        read by the PyTorch backend (platform.resolve_kv_cache_dtype)."""
+        kv_cache_dtype = kv_cache_dtype or dtype
         config = model.config
         scratch_block = num_blocks
         num_blocks += 1 if decode_graphs else 0
@@ -47,14 +51,16 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        if backend is None and decode_graphs:  # the padded decode steps read keys in its row layout
+        if backend is None and (decode_graphs or kv_cache_dtype != dtype):
+            # the padded decode steps read keys in its row layout; the CPU kernels' own layout
+            # wants the model's dtype
             backend = TorchPagedAttention()
         self.backend = backend or default_attention_backend(device, dtype, config.head_dim, config.num_query_groups)
         # [layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim]; zeroed so that unwritten
         # slots gathered with a block are finite (masked, but NaN * 0 would still poison softmax).
         shape = (config.num_hidden_layers, 2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-        self.kv_cache = zeros_on_demand(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype,
-                                                                                                device=device)
+        self.kv_cache = zeros_on_demand(shape, kv_cache_dtype) if device.type == "cpu" else torch.zeros(
+            shape, dtype=kv_cache_dtype, device=device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         # few-row decode steps skip the modules' per-call Python (models/decode_plan.py)
         self.decode_plan = DecodePlan(model, self.kv_caches) if DecodePlan.applies(self.backend) else None

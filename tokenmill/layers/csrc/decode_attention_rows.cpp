@@ -1,6 +1,8 @@
 // Decode attention over the PyTorch path's cache layout (rows), for CPUs whose build lacks
 // paged_decode.cpp (AVX2; cpu_kernels.py): one query token per sequence, keys and values read in
 // place through the block table, in one op instead of the ~10 of TorchPagedAttention._decode.
+// The caches hold q's dtype, or a 16-bit one under float32 queries (a float32 model's
+// kv_cache_dtype float16 / bfloat16), widened as they are read.
 //
 //   decode_attention_rows(q [B, H, D] (rows may be strided), k_cache, v_cache [kv_heads, num_blocks, block_size, D],
 //                         block_table int64 [B, >= ceil(max seq_len / block_size)], seq_lens int64 [B],
@@ -28,8 +30,8 @@ namespace {
 
 constexpr int64_t kMaxGroups = 8;  // query heads per kv head
 
-template <typename T>
-void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* table, int64_t table_stride,
+template <typename T, typename C>  // T: queries and output, C: the caches
+void attend(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int64_t* table, int64_t table_stride,
             const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t kv_heads, int64_t num_blocks,
             int64_t block_size, int64_t D, float scale) {
   using namespace tokenmill_vec;
@@ -41,12 +43,12 @@ void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
       const T* qb = q + b * q_stride + h * groups * D;
       for (int64_t i = 0; i < groups * D; ++i) queries[i] = static_cast<float>(qb[i]) * scale;
       scores.assign(groups * L, 0.0f);
-      auto row = [&](const T* cache, int64_t t) {
+      auto row = [&](const C* cache, int64_t t) {
         const int64_t block = table[b * table_stride + t / block_size];
         return cache + ((h * num_blocks + block) * block_size + t % block_size) * D;
       };
       for (int64_t t = 0; t < L; ++t) {  // scores[g, t] = scale q_g . k_t
-        const T* key = row(k_cache, t);
+        const C* key = row(k_cache, t);
         Vec16 dots[kMaxGroups];
         for (int64_t g = 0; g < groups; ++g) dots[g] = zero();
         for (int64_t d = 0; d < D; d += 16) {
@@ -66,7 +68,7 @@ void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, co
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t = 0; t < L; ++t) {  // acc[g] += p[g, t] v_t
-        const T* value = row(v_cache, t);
+        const C* value = row(v_cache, t);
         for (int64_t d = 0; d < D; d += 16) {
           const int64_t n = std::min<int64_t>(16, D - d);
           const Vec16 v = load(value + d, n);
@@ -93,8 +95,11 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
               "decode_attention_rows: q must be [B, H, D] with each row's heads contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous(), "decode_attention_rows: caches must be contiguous [kv_heads, blocks, block_size, D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "decode_attention_rows: q and the caches must have one dtype");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
+                                                      k_cache.scalar_type() == at::kBFloat16))),
+              "decode_attention_rows: the caches must hold q's dtype, or a 16-bit one under float32 q");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % kv_heads == 0 && H / kv_heads <= kMaxGroups,
@@ -115,21 +120,20 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   }
   at::Tensor out = at::empty({B, H * D}, q.options());
   const float s = static_cast<float>(scale);
+  auto run = [&](auto q_type, auto cache_type) {
+    using T = decltype(q_type);
+    using C = decltype(cache_type);
+    attend<T, C>(q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), table,
+                 block_table.stride(0), lens, out.data_ptr<T>(), B, H, kv_heads, num_blocks, block_size, D, s);
+  };
   switch (q.scalar_type()) {
     case at::kFloat:
-      attend<float>(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table,
-                    block_table.stride(0), lens, out.data_ptr<float>(), B, H, kv_heads, num_blocks, block_size, D, s);
+      if (k_cache.scalar_type() == at::kHalf) run(float{}, c10::Half{});
+      else if (k_cache.scalar_type() == at::kBFloat16) run(float{}, c10::BFloat16{});
+      else run(float{}, float{});
       break;
-    case at::kBFloat16:
-      attend<c10::BFloat16>(q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(),
-                            v_cache.data_ptr<c10::BFloat16>(), table, block_table.stride(0), lens,
-                            out.data_ptr<c10::BFloat16>(), B, H, kv_heads, num_blocks, block_size, D, s);
-      break;
-    case at::kHalf:
-      attend<c10::Half>(q.data_ptr<c10::Half>(), q.stride(0), k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(), table,
-                        block_table.stride(0), lens, out.data_ptr<c10::Half>(), B, H, kv_heads, num_blocks, block_size,
-                        D, s);
-      break;
+    case at::kBFloat16: run(c10::BFloat16{}, c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}, c10::Half{}); break;
     default: TORCH_CHECK(false, "decode_attention_rows: expected float32, bfloat16 or float16");
   }
   return out;
