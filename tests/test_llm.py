@@ -172,17 +172,23 @@ def test_kv_cache_memory_budget_sets_pool_size(tiny_llama_dir):
 
 def test_kv_cache_dtype_auto(tiny_llama_dir):
     """auto: the model's dtype, but float16 under a float32 model that dtype auto chose because the
-    CPU has no native bf16 (what llama.cpp keeps); an explicit float32 model keeps float32."""
+    CPU has no native bf16 (what llama.cpp keeps), where decode reads such a pool in one kernel;
+    an explicit float32 model keeps float32."""
+    from tokenmill.layers.attention import narrow_pool_reads_in_one_kernel
     from tokenmill.platform import cpu_has_native_bf16, resolve_kv_cache_dtype
 
     auto = LLM(model=str(tiny_llama_dir), num_kv_blocks=8)
-    assert auto.engine.executor.runner.kv_cache.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float16)
-    assert auto.engine.config.cache.kv_cache_dtype == str(auto.engine.kv_cache_dtype).removeprefix("torch.")
+    if cpu_has_native_bf16():
+        expected = torch.bfloat16
+    else:
+        expected = torch.float16 if narrow_pool_reads_in_one_kernel(torch.device("cpu")) else torch.float32
+    assert auto.engine.executor.runner.kv_cache.dtype == expected
     explicit = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=8)
     assert explicit.engine.executor.runner.kv_cache.dtype == torch.float32
-    assert resolve_kv_cache_dtype("auto", torch.float32, chosen_for_the_cpu=True) == torch.float16
-    assert resolve_kv_cache_dtype("float32", torch.float32, chosen_for_the_cpu=True) == torch.float32
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, chosen_for_the_cpu=True) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, auto_float16=True) == torch.float16
+    assert resolve_kv_cache_dtype("auto", torch.float32) == torch.float32
+    assert resolve_kv_cache_dtype("float32", torch.float32, auto_float16=True) == torch.float32
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, auto_float16=True) == torch.bfloat16
 
 
 def test_kv_waste_stays_small_and_blocks_return(tiny_llm):

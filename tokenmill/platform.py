@@ -92,15 +92,16 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return dtypes[dtype]
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, chosen_for_the_cpu: bool = False) -> torch.dtype:
-    """The KV pool's dtype: "auto" is the model's, except that a model computing in float32 only
-    because the CPU lacks native bf16 (dtype "auto" there: chosen_for_the_cpu) keeps float16, as
-    llama.cpp does: half the memory, keys and values rounded once as they are written. A float32
-    model may be given a 16-bit pool explicitly; a 16-bit model keeps its own dtype."""
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, auto_float16: bool = False) -> torch.dtype:
+    """The KV pool's dtype: "auto" is the model's, except that with auto_float16 a float32 model
+    keeps float16, as llama.cpp does: half the memory, keys and values rounded once as they are
+    written (the engine sets it where dtype "auto" chose float32 for a CPU without native bf16 and
+    decode reads such a pool in one kernel). A float32 model may be given a 16-bit pool
+    explicitly; a 16-bit model keeps its own dtype."""
     import torch
 
     if kv_cache_dtype == "auto":
-        return torch.float16 if chosen_for_the_cpu and dtype == torch.float32 else dtype
+        return torch.float16 if auto_float16 and dtype == torch.float32 else dtype
     if kv_cache_dtype not in DTYPE_NAMES:
         raise InvalidParameterError(
             f"kv_cache_dtype must be one of auto, {', '.join(DTYPE_NAMES)}; got {kv_cache_dtype!r}", param="kv_cache_dtype")

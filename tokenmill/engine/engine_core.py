@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import replace
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import InputProcessor
@@ -25,8 +24,7 @@ from tokenmill.errors import EngineDeadError, InvalidParameterError
 from tokenmill.executor.base import Executor, create_executor
 from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.platform import (
-    available_memory_bytes, limit_onednn_primitive_cache, resolve_device, resolve_dtype, resolve_kv_cache_dtype,
-    set_cpu_threads,
+    available_memory_bytes, limit_onednn_primitive_cache, resolve_device, resolve_dtype, set_cpu_threads,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -40,17 +38,13 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype,
-                                                     chosen_for_the_cpu=config.dtype == "auto" and self.device.type == "cpu")
-        # executors and tensor-parallel ranks get the pool's dtype by name, "auto" resolved here once
-        cache_dtype_name = str(self.kv_cache_dtype).removeprefix("torch.")
-        config = self.config = replace(config, cache=replace(config.cache, kv_cache_dtype=cache_dtype_name))
         if config.tensor_parallel_size < 1:
             raise InvalidParameterError("tensor_parallel_size must be at least 1", param="tensor_parallel_size")
         if self.device.type == "cpu":
             set_cpu_threads(config.tensor_parallel_size)  # the ranks share the cores
             limit_onednn_primitive_cache()
         self.executor: Executor = create_executor(config, self.device, self.dtype)
+        self.kv_cache_dtype = self.executor.kv_cache_dtype
         loaded = self.executor.load_model()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -21,6 +21,8 @@ class Executor(Protocol):
     execute() per step; check_health() raises EngineDeadError when part of it is gone.
     """
 
+    kv_cache_dtype: torch.dtype  # what the KV pool holds (ModelRunner.pool_dtype)
+
     def load_model(self) -> LoadedModel: ...
 
     def init_kv_cache(self, num_blocks: int) -> None: ...

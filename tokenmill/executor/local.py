@@ -9,9 +9,8 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.models.loader import LoadedModel, load_model
 from tokenmill.outputs import ModelRunnerOutput
-from tokenmill.platform import resolve_kv_cache_dtype
 from tokenmill.worker import decode_graphs
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import ModelRunner, pool_dtype
 
 if TYPE_CHECKING:
     from tokenmill.engine.scheduler_output import SchedulerOutput
@@ -22,6 +21,7 @@ class LocalExecutor:
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config, self.device, self.dtype = config, device, dtype
+        self.kv_cache_dtype = pool_dtype(config.cache.kv_cache_dtype, dtype, device, config.dtype == "auto")
         self.loaded: LoadedModel | None = None
         self.runner: ModelRunner | None = None
 
@@ -33,7 +33,7 @@ class LocalExecutor:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.config.cache.block_size, self.device, self.dtype,
                                   decode_graphs=decode_graphs.uses_decode_graphs(self.device, self.config.enforce_eager),
-                                  kv_cache_dtype=resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype))
+                                  kv_cache_dtype=self.kv_cache_dtype)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)

@@ -33,9 +33,8 @@ from tokenmill.layers.parallel import Communicator
 from tokenmill.models.loader import LoadedModel, load_model, load_model_config
 from tokenmill.models.sharding import check_divisible
 from tokenmill.outputs import ModelRunnerOutput
-from tokenmill.platform import resolve_kv_cache_dtype
 from tokenmill.worker.forward_input import ForwardInput
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import ModelRunner, pool_dtype
 
 if TYPE_CHECKING:
     from tokenmill.engine.scheduler_output import SchedulerOutput
@@ -122,12 +121,13 @@ class TensorParallelExecutor:
         world = config.tensor_parallel_size
         check_divisible(load_model_config(config.model), world)  # before any process starts
         self.config, self.device, self.dtype = config, device, dtype
+        self.kv_cache_dtype = pool_dtype(config.cache.kv_cache_dtype, dtype, device, config.dtype == "auto")
         self.world_size = world
         self.spec = WorkerSpec(
             model=config.model, dtype=str(dtype).removeprefix("torch."), device=config.device,
             quantization=config.quantization,
             max_model_len=config.scheduler.max_model_len, block_size=config.cache.block_size,
-            num_threads=torch.get_num_threads(), kv_cache_dtype=config.cache.kv_cache_dtype,
+            num_threads=torch.get_num_threads(), kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
         )
         rendezvous = config.rendezvous or Rendezvous("127.0.0.1", 0, world, token=secrets.token_hex(16))
         self.comm = Communicator(0, world)
@@ -165,7 +165,7 @@ class TensorParallelExecutor:
             self.shutdown()
             raise WorkerDiedError(f"tensor-parallel workers did not join: {exc}") from exc
         self.runner = ModelRunner(self.loaded.model, num_blocks, self.spec.block_size, self.device, self.dtype,
-                                  kv_cache_dtype=resolve_kv_cache_dtype(self.spec.kv_cache_dtype, self.dtype))
+                                  kv_cache_dtype=self.kv_cache_dtype)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.check_health()

@@ -365,6 +365,14 @@ def prefill_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: i
     return device.type == "cpu" and dtype == torch.bfloat16 and head_dim % 32 == 0 and _prefill_kernel_available()
 
 
+def narrow_pool_reads_in_one_kernel(device: torch.device) -> bool:
+    """Whether decode here reads a 16-bit pool under float32 queries in one op, at float32's speed
+    (the AVX2 build's decode_attention_rows): the engine then keeps float16 for a float32 model
+    whose dtype it chose. Elsewhere (the AVX-512 build's paged kernels want the model's dtype) the
+    PyTorch path would read it: asked for, not chosen."""
+    return device.type == "cpu" and _rows_kernel_available()
+
+
 # names of this module's own, for tests to switch the kernels off
 _rows_kernel_available = decode_attention_rows_available
 _prefill_kernel_available = prefill_attention_available

@@ -8,14 +8,25 @@ import mmap
 import torch
 
 from tokenmill.engine.scheduler_output import PromptLogprobsRequest, SamplingRequest, SchedulerOutput
-from tokenmill.layers.attention import AttentionBackend, AttentionContext, CacheGeometry, TorchPagedAttention
+from tokenmill.layers.attention import (
+    AttentionBackend, AttentionContext, CacheGeometry, TorchPagedAttention, narrow_pool_reads_in_one_kernel,
+)
 from tokenmill.layers.cpu_attention import default_attention_backend
 from tokenmill.layers.sampler import SamplingSpec, TokenBitmask, sample, scored_tokens
 from tokenmill.models.decode_plan import DecodePlan
 from tokenmill.models.llama import DecoderForCausalLM
 from tokenmill.outputs import ModelRunnerOutput, SampledToken
+from tokenmill.platform import resolve_kv_cache_dtype
 from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.forward_input import ForwardInput
+
+
+def pool_dtype(kv_cache_dtype: str, dtype: torch.dtype, device: torch.device, dtype_was_auto: bool) -> torch.dtype:
+    """The KV pool's dtype for a --kv-cache-dtype (platform.resolve_kv_cache_dtype): "auto" keeps
+    float16 under a float32 model whose dtype "auto" chose, where decode reads such a pool in one
+    kernel (the AVX2 build's)."""
+    return resolve_kv_cache_dtype(kv_cache_dtype, dtype,
+                                  auto_float16=dtype_was_auto and narrow_pool_reads_in_one_kernel(device))
 
 
 class ModelRunner:
