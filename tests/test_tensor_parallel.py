@@ -40,12 +40,12 @@ def _param_bytes(module) -> int:
 LOGPROB_TOLERANCE = 3e-3 if quant_gemv_i8_available() else 1e-4
 
 
-def _assert_same(reference, outputs):
+def _assert_same(reference, outputs, tolerance: float = LOGPROB_TOLERANCE):
     for ref, out in zip(reference, outputs):
         ref, out = ref.outputs[0], out.outputs[0]
         assert out.token_ids == ref.token_ids
         for token_id, a, b in zip(ref.token_ids, ref.logprobs, out.logprobs):
-            assert abs(a[token_id].logprob - b[token_id].logprob) <= LOGPROB_TOLERANCE
+            assert abs(a[token_id].logprob - b[token_id].logprob) <= tolerance
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -179,12 +179,7 @@ def test_tp2_with_a_float16_kv_cache(tiny_llama_dir):
     with LLM(model=path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, kv_cache_dtype="float16") as tp:
         assert tp.engine.executor.runner.kv_cache.dtype == torch.float16
         assert tp.engine.executor.spec.kv_cache_dtype == "float16"
-        outputs = tp.generate(PROMPTS, GREEDY, use_tqdm=False)
-    for ref, out in zip(reference, outputs):
-        ref, out = ref.outputs[0], out.outputs[0]
-        assert out.token_ids == ref.token_ids
-        for token_id, a, b in zip(ref.token_ids, ref.logprobs, out.logprobs):
-            assert abs(a[token_id].logprob - b[token_id].logprob) <= max(LOGPROB_TOLERANCE, 2e-3)
+        _assert_same(reference, tp.generate(PROMPTS, GREEDY, use_tqdm=False), max(LOGPROB_TOLERANCE, 2e-3))
 
 
 def test_quantized_shards_are_cut_on_group_boundaries():
