@@ -68,6 +68,11 @@ def test_kv_capacity_prediction_equals_the_engine_pool(tiny_llama_dir):
     stats = llm.stats().kv_cache
     assert plan.max_kv_tokens == stats.num_blocks * llm.engine.kv_cache.block_size
     assert plan.max_concurrent_sequences == stats.num_blocks // (256 // 16)
+    # a float16 pool under the float32 model (what serve keeps on AVX2 CPUs): twice the tokens
+    half = make_plan(model, PlanInputs(custom, dtype="float32", context=256, kv_memory_bytes=budget,
+                                       kv_cache_dtype="float16"))
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=budget, kv_cache_dtype="float16")
+    assert half.max_kv_tokens == llm.stats().kv_cache.num_blocks * 16 == 2 * plan.max_kv_tokens
 
 
 def test_tensor_parallel_and_cost_arithmetic(llama3_8b):

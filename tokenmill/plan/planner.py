@@ -36,6 +36,11 @@ class PlanInputs:
     utilization: float = 0.5
     efficiency: float = 1.0
     kv_memory_bytes: float | None = None  # per device; None: the engine's default share
+    kv_cache_dtype: str | None = None  # what the KV pool holds; None: dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
 
 
 @dataclass
@@ -73,7 +78,7 @@ def make_plan(model: ModelMath, inputs: PlanInputs) -> Plan:
     if not 0 < inputs.utilization <= 1 or not 0 < inputs.efficiency <= 1:
         raise InvalidParameterError("utilization and efficiency must be in (0, 1]", param="utilization")
     weights = model.weight_bytes(inputs.dtype, inputs.weight_quant) / tp
-    kv_per_token = model.kv_bytes_per_token(inputs.dtype) / tp
+    kv_per_token = model.kv_bytes_per_token(inputs.kv_dtype) / tp
     memory = acc.memory_gb * 1e9
     if weights >= memory:
         raise InvalidParameterError(
@@ -119,7 +124,7 @@ def decode_step_seconds(model: ModelMath, inputs: PlanInputs, batch: int, bandwi
     plan's context), and which roof binds. bandwidth and flops are summed over all devices."""
     context = inputs.context if context is None else context
     bytes_read = (model.weight_bytes(inputs.dtype, inputs.weight_quant)
-                  + batch * context * model.kv_bytes_per_token(inputs.dtype))
+                  + batch * context * model.kv_bytes_per_token(inputs.kv_dtype))
     memory_time = bytes_read / bandwidth
     compute_time = batch * model.flops_per_token(context) / flops
     return (memory_time, "memory") if memory_time >= compute_time else (compute_time, "compute")

@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
     plan.add_argument("--tflops", type=float, default=None, help="dense bf16 TFLOP/s")
     plan.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     plan.add_argument("--weight-quant", default=None, choices=["int8", "int4"])
+    plan.add_argument("--kv-cache-dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                      help="what the KV cache holds (default: --dtype; serve keeps float16 under float32 on AVX2 CPUs)")
     plan.add_argument("--context", type=int, default=4096, help="tokens per sequence (prompt + output)")
     plan.add_argument("--concurrency", type=int, default=None, help="sequences decoding together (default: all that fit)")
     plan.add_argument("--cost-per-hour", type=float, default=None, help="per device (default: catalog price)")
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         accelerator=accelerator, dtype=args.dtype, weight_quant=args.weight_quant, context=args.context,
         concurrency=args.concurrency, cost_per_hour=args.cost_per_hour, api_price_per_1m=args.api_price_per_1m,
         tensor_parallel=args.tensor_parallel, utilization=args.utilization, efficiency=efficiency,
-        kv_memory_bytes=kv_memory,
+        kv_memory_bytes=kv_memory, kv_cache_dtype=args.kv_cache_dtype,
     )
     result = make_plan(model, inputs).to_dict()
     result["accelerator"] = accelerator.__dict__
