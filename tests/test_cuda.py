@@ -143,3 +143,51 @@ def test_cuda_graph_decode_on_the_default_model():
     assert not any(hasattr(s.replay, "graph") for s in uncaptured.engine.executor.runner.decode_graphs.steps.values())
     first = [o.outputs[0].token_ids[:4] for o in eager.generate(PROMPTS, params, use_tqdm=False)]
     assert sum(g[:4] == e for g, e in zip(got, first)) >= 2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_pool_under_a_float32_model_on_cuda(tiny_llama_dir, kv_cache_dtype):
+    """The pool keeps 16-bit keys and values and every path widens what it reads: the eager
+    engine and the graphs' padded attention give the same tokens, and the CPU's run of the same
+    pool the same tokens and log-probabilities (the two round a key to 16 bits alike but for
+    float32 last-bit differences: within 2e-3)."""
+    graphs, eager = _graph_and_eager(tiny_llama_dir, dtype="float32", num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype)
+    assert graphs.engine.executor.runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    want = eager.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in graphs.generate(PROMPTS, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in want]
+    assert graphs.engine.executor.runner.decode_graphs.num_replays > 0
+    cpu = LLM(model=str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype)
+    for ref, out in zip(cpu.generate(PROMPTS, params, use_tqdm=False), want):
+        ref, out = ref.outputs[0], out.outputs[0]
+        assert out.token_ids == ref.token_ids
+        for token_id, a, b in zip(ref.token_ids, ref.logprobs, out.logprobs):
+            assert abs(a[token_id].logprob - b[token_id].logprob) <= 2e-3
+
+
+def test_server_on_cuda_answers_the_openai_client(tmp_path):
+    """`tokenmill serve --device cuda` on the default model, as users get it (bf16, the GGUF's
+    4-bit linears through torch's int4 matmul, decode graphs): the official client's completion,
+    whole and streamed, is the engine's own greedy continuation, and chat answers."""
+    import openai
+
+    from server_harness import start_server
+
+    llm = LLM(device="cuda", num_kv_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].text
+    del llm
+    server = start_server(["--device", "cuda"], tmp_path)
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        kwargs = dict(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+        assert client.completions.create(**kwargs).choices[0].text == want
+        assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == want
+        chat = client.chat.completions.create(model=model, max_tokens=8,
+                                              messages=[{"role": "user", "content": "Say hello."}])
+        assert chat.choices[0].message.content and chat.usage.completion_tokens > 0
+        assert server.metric("tokenmill:generation_tokens_total") == 48 + chat.usage.completion_tokens
+    finally:
+        assert server.stop() == 0, server.log()
