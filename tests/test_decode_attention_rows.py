@@ -75,3 +75,32 @@ def test_kernel_refuses_a_block_past_the_cache():
     q, cache = torch.randn(1, 2, 32), torch.zeros(1, 4, 16, 32)
     with pytest.raises(RuntimeError, match="past the cache"):
         torch.ops.tokenmill.decode_attention_rows(q, cache, cache, torch.tensor([[4]]), torch.tensor([3]), 1.0)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                               (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_write_kv_rows_equals_the_pytorch_write(dtype, cache_dtype):
+    """write_kv_rows puts the step's keys and values in the rows attention.write_kv does, rounded
+    the same way, from strided views of a fused projection's output (as the decode plan passes them)."""
+    kv_heads, head_dim, tokens = 3, 64, 5
+    geometry = CacheGeometry(16, 6, kv_heads, 3, head_dim, dtype, torch.device("cpu"))
+    layout = attention.StepLayout.build([1, 3, 1], [20, 0, 47], [[2, 5], [0], [1, 3, 4, 5]], geometry)
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim).to(dtype)
+    k = qkv[:, 9 * head_dim : 12 * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 12 * head_dim :].view(tokens, kv_heads, head_dim)
+    want = [torch.zeros(kv_heads, 6, 16, head_dim, dtype=cache_dtype) for _ in range(2)]
+    got = [torch.zeros_like(c) for c in want]
+    attention.write_kv(*want, layout.write_index, k, v)
+    torch.ops.tokenmill.write_kv_rows(k, v, *got, layout.write_index)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and want[0].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="past the cache"):
+        torch.ops.tokenmill.write_kv_rows(k, v, *got, layout.write_index + 6 * 16 * kv_heads)
+
+
+def test_the_kernels_decode_bucket_leaves_out_the_pytorch_paths_tensors(monkeypatch):
+    for use_kernel in (True, False):
+        monkeypatch.setattr(attention, "_rows_kernel_available", lambda: use_kernel)
+        geometry = CacheGeometry(16, 6, 2, 3, 64, torch.float32, torch.device("cpu"))
+        bucket = TorchPagedAttention().build_metadata([1, 1], [20, 3], [[2, 5], [0]], geometry).decode
+        assert bucket.block_table.tolist() == [[2, 5], [0, 0]] and bucket.seq_lens.tolist() == [21, 4]
+        assert (bucket.gather_index is None) == use_kernel and (bucket.value_index is None) == use_kernel

@@ -8,8 +8,10 @@
 //                         block_table int64 [B, >= ceil(max seq_len / block_size)], seq_lens int64 [B],
 //                         scale) -> [B, H * D]
 //
+// write_kv_rows writes a step's new keys and values into those rows (attention.write_kv, as one op).
+//
 // Work is split over (sequence, kv head); the query heads of a kv head's group (GQA) share each
-// key and value row read. Arithmetic is float32 (an exact softmax: max subtracted, std::exp), the
+// key and value row read. Arithmetic is float32 (a softmax with the max subtracted, vec_math.h's exp), the
 // output rounded once to q's dtype.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,12 +45,14 @@ void attend(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, co
       const T* qb = q + b * q_stride + h * groups * D;
       for (int64_t i = 0; i < groups * D; ++i) queries[i] = static_cast<float>(qb[i]) * scale;
       scores.assign(groups * L, 0.0f);
-      auto row = [&](const C* cache, int64_t t) {
-        const int64_t block = table[b * table_stride + t / block_size];
-        return cache + ((h * num_blocks + block) * block_size + t % block_size) * D;
+      // each row t of a cache in turn, walking the block table (no division per row)
+      auto for_each_row = [&](const C* cache, auto&& visit) {
+        for (int64_t start = 0, i = 0; start < L; start += block_size, ++i) {
+          const C* rows = cache + (h * num_blocks + table[b * table_stride + i]) * block_size * D;
+          for (int64_t t = start; t < std::min(L, start + block_size); ++t) visit(rows + (t - start) * D, t);
+        }
       };
-      for (int64_t t = 0; t < L; ++t) {  // scores[g, t] = scale q_g . k_t
-        const C* key = row(k_cache, t);
+      for_each_row(k_cache, [&](const C* key, int64_t t) {  // scores[g, t] = scale q_g . k_t
         Vec16 dots[kMaxGroups];
         for (int64_t g = 0; g < groups; ++g) dots[g] = zero();
         for (int64_t d = 0; d < D; d += 16) {
@@ -57,18 +61,25 @@ void attend(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, co
           for (int64_t g = 0; g < groups; ++g) dots[g] = fmadd(load(queries.data() + g * D + d, n), kv, dots[g]);
         }
         for (int64_t g = 0; g < groups; ++g) scores[g * L + t] = reduce_add(dots[g]);
-      }
-      for (int64_t g = 0; g < groups; ++g) {  // softmax over t
+      });
+      for (int64_t g = 0; g < groups; ++g) {  // softmax over t, 16 lanes at a time
         float* s = scores.data() + g * L;
-        const float top = *std::max_element(s, s + L);
-        float total = 0.0f;
-        for (int64_t t = 0; t < L; ++t) total += (s[t] = std::exp(s[t] - top));
-        const float inverse = 1.0f / total;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inverse;
+        const Vec16 top = set1(*std::max_element(s, s + L));
+        Vec16 total = zero();
+        for (int64_t t = 0; t < L; t += 16) {
+          const int64_t n = std::min<int64_t>(16, L - t);
+          const Vec16 e = exp(sub(load(s + t, n), top));
+          store(s + t, e, n);
+          total = add(total, load(s + t, n));  // zero past n, as the tail's exp is not
+        }
+        const Vec16 inverse = set1(1.0f / reduce_add(total));
+        for (int64_t t = 0; t < L; t += 16) {
+          const int64_t n = std::min<int64_t>(16, L - t);
+          store(s + t, mul(load(s + t, n), inverse), n);
+        }
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < L; ++t) {  // acc[g] += p[g, t] v_t
-        const C* value = row(v_cache, t);
+      for_each_row(v_cache, [&](const C* value, int64_t t) {  // acc[g] += p[g, t] v_t
         for (int64_t d = 0; d < D; d += 16) {
           const int64_t n = std::min<int64_t>(16, D - d);
           const Vec16 v = load(value + d, n);
@@ -77,7 +88,7 @@ void attend(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, co
             store(a, fmadd(set1(scores[g * L + t]), v, load(a, n)), n);
           }
         }
-      }
+      });
       T* ob = out + (b * H + h * groups) * D;
       for (int64_t g = 0; g < groups; ++g) {
         for (int64_t d = 0; d < D; d += 16) {
@@ -139,11 +150,73 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   return out;
 }
 
+// write_kv_rows(k, v [T, kv_heads, D] (rows may be strided), k_cache, v_cache, write_index [kv_heads * T]):
+// cache row write_index[h * T + t] (of the cache viewed as [-1, D]) = k[t, h] (v[t, h]), rounded to
+// the cache's dtype: attention.write_kv's 8 PyTorch ops as one.
+template <typename T, typename C>
+void write_rows(const at::Tensor& x, C* cache, const int64_t* index, int64_t T_, int64_t heads, int64_t D) {
+  using namespace tokenmill_vec;
+  const T* src = x.data_ptr<T>();
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < T_; ++t) {
+      const T* row = src + t * x.stride(0) + h * x.stride(1);
+      C* dst = cache + index[h * T_ + t] * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        const int64_t n = std::min<int64_t>(16, D - d);
+        store(dst + d, load(row + d, n), n);
+      }
+    }
+  }
+}
+
+void write_kv_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& write_index) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "write_kv_rows: k and v must be [T, kv_heads, D] with unit stride last");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv_rows: caches must be alike and contiguous [kv_heads, blocks, block_size, D]");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == k_cache.scalar_type() ||
+                   (k.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
+                                                      k_cache.scalar_type() == at::kBFloat16))),
+              "write_kv_rows: the caches must hold k's dtype, or a 16-bit one under float32 k");
+  const int64_t T = k.size(0), heads = k.size(1), D = k.size(2);
+  TORCH_CHECK(k_cache.size(0) == heads && k_cache.size(3) == D, "write_kv_rows: shapes do not match");
+  TORCH_CHECK(write_index.scalar_type() == at::kLong && write_index.dim() == 1 && write_index.is_contiguous() &&
+                  write_index.size(0) == heads * T, "write_kv_rows: write_index must be int64 [kv_heads * T]");
+  const int64_t* index = write_index.data_ptr<int64_t>();
+  const int64_t rows = k_cache.numel() / D;
+  for (int64_t i = 0; i < heads * T; ++i) {
+    TORCH_CHECK(index[i] >= 0 && index[i] < rows, "write_kv_rows: row ", index[i], " is past the cache");
+  }
+  auto run = [&](auto x_type, auto cache_type) {
+    using X = decltype(x_type);
+    using C = decltype(cache_type);
+    write_rows<X, C>(k, k_cache.data_ptr<C>(), index, T, heads, D);
+    write_rows<X, C>(v, v_cache.data_ptr<C>(), index, T, heads, D);
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat:
+      if (k_cache.scalar_type() == at::kHalf) run(float{}, c10::Half{});
+      else if (k_cache.scalar_type() == at::kBFloat16) run(float{}, c10::BFloat16{});
+      else run(float{}, float{});
+      break;
+    case at::kBFloat16: run(c10::BFloat16{}, c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}, c10::Half{}); break;
+    default: TORCH_CHECK(false, "write_kv_rows: expected float32, bfloat16 or float16");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "float scale) -> Tensor");
+  m.def("write_kv_rows(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_index) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("decode_attention_rows", decode_attention_rows); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("decode_attention_rows", decode_attention_rows);
+  m.impl("write_kv_rows", write_kv_rows);
+}
