@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tokenmill.layers.cpu_attention import default_attention_backend
-from tokenmill.layers.cpu_kernels import quant_gemv_q8_available
+from tokenmill.layers.cpu_kernels import decode_attention_rows_available, quant_gemv_q8_available
 from tokenmill.layers.quantized import InterleavedWeight, QuantizedLinear, quantize_rtn
+from tokenmill.models import decode_plan
 from tokenmill.models.decode_plan import DecodePlan, FusedLayers
 from tokenmill.models.loader import load_model
 from tokenmill.worker.forward_input import ForwardInput
@@ -128,3 +129,26 @@ def test_fused_layers_with_mixed_layouts(tiny_llama_dir):
     for step, batch in enumerate(_decode_steps(runner, prompts, 4)):
         with_fused, loop = _with_and_without(runner, batch, runner.decode_plan, "fused")
         assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
+
+
+@pytest.mark.skipif(not decode_attention_rows_available(), reason="the AVX2 build's op")
+@pytest.mark.parametrize("kv_cache_dtype", [torch.float32, torch.float16])
+def test_the_avx2_plans_attention_is_one_op_bit_for_bit(tiny_llama_dir, kv_cache_dtype, monkeypatch):
+    """On the AVX2 build a layer's rotary, KV write and decode attention are one op
+    (fused_decode_attention_rows): the model's forward, which runs them one by one, bit for bit,
+    for a float32 model with its own pool or a float16 one."""
+    loaded = load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4",
+                        with_tokenizer=False)
+    runner = ModelRunner(loaded.model, num_blocks=8, block_size=16, device=torch.device("cpu"), dtype=torch.float32,
+                         kv_cache_dtype=kv_cache_dtype)
+    calls = []
+    fused = decode_plan.fused_decode_attention_rows
+    monkeypatch.setattr(decode_plan, "fused_decode_attention_rows", lambda *a: calls.append(1) or fused(*a))
+    tables = [[0], [1], [2, 3]]
+    runner.forward(ForwardInput(PROMPTS, [0, 0, 0], tables, [True] * 3))
+    lengths = [len(p) for p in PROMPTS]
+    for step, tokens in enumerate([[11, 12, 13], [7, 8, 9], [300, 1, 2]]):
+        batch = ForwardInput([[t] for t in tokens], [n + step for n in lengths], tables, [True] * 3)
+        with_plan, without = _with_and_without(runner, batch, runner, "decode_plan")
+        assert torch.equal(with_plan, without), f"step {step}: max diff {(with_plan - without).abs().max()}"
+    assert len(calls) == 3 * len(runner.model.layers)

@@ -173,6 +173,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Te
         cache.view(-1, head_dim).index_copy_(0, write_index, rows.transpose(0, 1).reshape(-1, head_dim).to(cache.dtype))
 
 
+def fused_decode_attention_rows(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, rope, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A decode-only step's attention from the fused q/k/v projection [B, (heads + 2 kv_heads) * head_dim]
+    on the AVX2 build, in one op: rotary (the kernel's, rope.tables is None), the KV write and
+    TorchPagedAttention's decode (decode_attention_rows), bit for bit, without the Python between them."""
+    bucket = metadata.decode
+    return torch.ops.tokenmill.fused_decode_attention_rows.default(
+        qkv, num_heads, num_kv_heads, rope.positions, rope.cos_cache, rope.sin_cache, k_cache, v_cache,
+        metadata.write_index, bucket.block_table, bucket.seq_lens, scale)
+
+
 def as_cached(rows: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """rows as a later step reads them back from `cache`: rounded to its dtype where that is
     narrower (a float32 model's 16-bit pool), so that a prompt attends to the same keys and values

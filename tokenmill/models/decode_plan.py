@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.layers.attention import AttentionContext, DecodeBucket, TorchPagedAttention
+from tokenmill.layers.attention import (
+    AttentionContext, DecodeBucket, TorchPagedAttention, fused_decode_attention_rows,
+)
 from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket, fused_decode_attention
 from tokenmill.layers.cpu_kernels import decode_attention_rows_available, fused_ops_available, kernels_available
 from tokenmill.layers.linear import silu_and_mul
@@ -155,6 +157,8 @@ class DecodePlan:
         fused_attention = rope.tables is None and isinstance(backend, CpuPagedAttention)
         if fused_attention and self.fused is not None:
             return self.fused(x, rope, metadata)
+        # the AVX2 build's: rotary, KV write and decode_attention_rows in one op
+        fused_rows = rope.tables is None and isinstance(backend, TorchPagedAttention) and decode_attention_rows_available()
         residual = None
         for layer in self.layers:
             if residual is None:
@@ -165,6 +169,9 @@ class DecodePlan:
             if layer.q_norm is None and fused_attention:
                 out = fused_decode_attention(qkv, num_heads, num_kv_heads, rope, layer.k_cache, layer.v_cache,
                                              metadata, self.scale)
+            elif layer.q_norm is None and fused_rows:
+                out = fused_decode_attention_rows(qkv, num_heads, num_kv_heads, rope, layer.k_cache, layer.v_cache,
+                                                  metadata, self.scale)
             else:
                 v = qkv[:, q_size + kv_size:].view(num_tokens, num_kv_heads, head_dim)
                 if layer.q_norm is None:

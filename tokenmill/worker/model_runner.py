@@ -74,7 +74,9 @@ class ModelRunner:
             shape, dtype=kv_cache_dtype, device=device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         # few-row decode steps skip the modules' per-call Python (models/decode_plan.py)
-        self.decode_plan = DecodePlan(model, self.kv_caches) if DecodePlan.applies(self.backend) else None
+        # (CPU steps only: on a GPU whose host has the AVX2 build, the PyTorch backend is CUDA's)
+        uses_plan = device.type == "cpu" and DecodePlan.applies(self.backend)
+        self.decode_plan = DecodePlan(model, self.kv_caches) if uses_plan else None
         self.decode_graphs = DecodeGraphs(model, self.kv_caches, self.geometry, scratch_block) if decode_graphs else None
 
     @torch.inference_mode()

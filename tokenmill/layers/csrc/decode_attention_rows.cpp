@@ -8,7 +8,8 @@
 //                         block_table int64 [B, >= ceil(max seq_len / block_size)], seq_lens int64 [B],
 //                         scale) -> [B, H * D]
 //
-// write_kv_rows writes a step's new keys and values into those rows (attention.write_kv, as one op).
+// write_kv_rows writes a step's new keys and values into those rows (attention.write_kv, as one op),
+// and fused_decode_attention_rows does a decode step's rotary, KV write and attention in one.
 //
 // Work is split over (sequence, kv head); the query heads of a kv head's group (GQA) share each
 // key and value row read. Arithmetic is float32 (a softmax with the max subtracted, vec_math.h's exp), the
@@ -20,6 +21,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "fused_rows.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -208,15 +210,62 @@ void write_kv_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k
   }
 }
 
+// fused_decode_attention_rows(qkv [B, (H + 2 kv_heads) D], H, kv_heads, positions [B], cos, sin,
+//                             k_cache, v_cache, write_index [kv_heads * B], block_table, seq_lens, scale)
+// A decode-only step's attention from the fused q/k/v projection, one token per sequence: rotary_
+// on its q and k heads (in place), write_kv_rows, decode_attention_rows, bit for bit, in one op.
+at::Tensor fused_decode_attention_rows(const at::Tensor& qkv, int64_t H, int64_t kv_heads, const at::Tensor& positions,
+                                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                                       const at::Tensor& v_cache, const at::Tensor& write_index,
+                                       const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+  const int64_t D = k_cache.size(3), B = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (H + 2 * kv_heads) * D,
+              "fused_decode_attention_rows: qkv must be [B, (H + 2 kv_heads) D] with unit column stride");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == B &&
+                  positions.is_contiguous(), "fused_decode_attention_rows: positions must be int64 [B]");
+  TORCH_CHECK(D % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(),
+              "fused_decode_attention_rows: cos and sin must be float32 [max_positions, D]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "fused_decode_attention_rows: position ", pos[b],
+                " is past the table");
+  }
+  const at::Tensor heads = qkv.view({B, H + 2 * kv_heads, D});
+  const at::Tensor q = heads.narrow(1, 0, H), k = heads.narrow(1, H, kv_heads), v = heads.narrow(1, H + kv_heads, kv_heads);
+  auto rotate = [&](auto type) {
+    using T = decltype(type);
+    T* base = qkv.data_ptr<T>();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H + kv_heads; ++h) {
+        tokenmill_rows::rotate_row(base + b * qkv.stride(0) + h * D, cos.data_ptr<float>() + pos[b] * D,
+                                   sin.data_ptr<float>() + pos[b] * D, D);
+      }
+    }
+  };
+  switch (qkv.scalar_type()) {
+    case at::kFloat: rotate(float{}); break;
+    case at::kBFloat16: rotate(c10::BFloat16{}); break;
+    case at::kHalf: rotate(c10::Half{}); break;
+    default: TORCH_CHECK(false, "fused_decode_attention_rows: expected float32, bfloat16 or float16");
+  }
+  write_kv_rows(k, v, k_cache, v_cache, write_index);
+  return decode_attention_rows(q, k_cache, v_cache, block_table, seq_lens, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_attention_rows(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "float scale) -> Tensor");
   m.def("write_kv_rows(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor write_index) -> ()");
+  m.def("fused_decode_attention_rows(Tensor(a!) qkv, int num_heads, int num_kv_heads, Tensor positions, Tensor cos, "
+        "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor write_index, Tensor block_table, Tensor seq_lens, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("decode_attention_rows", decode_attention_rows);
   m.impl("write_kv_rows", write_kv_rows);
+  m.impl("fused_decode_attention_rows", fused_decode_attention_rows);
 }
