@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
-from tokenmill.models.loader import load_model
+from tokenmill.models.loader import load_model, weights_held_as
 from tokenmill.models.model_files import default_model_path
 
 CPU = torch.device("cpu")
@@ -101,3 +101,30 @@ def test_no_remote_code_is_run(model_copy):
     (model_copy / "evil.py").write_text("raise SystemExit('remote code ran')\n")
     loaded = load_model(str(model_copy), torch.float32, CPU)  # our own model code; evil.py never imported
     assert loaded.config.architecture == "llama"
+
+
+def test_weights_held_as_counts_what_each_device_keeps():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert weights_held_as(None, True, torch.float32, cpu) == "int4"  # a GGUF keeps its codes
+    assert weights_held_as("int8", False, torch.bfloat16, cpu) == "int8"
+    assert weights_held_as("none", True, torch.bfloat16, cpu) is None
+    assert weights_held_as(None, False, torch.bfloat16, cpu) is None  # an HF model as it is
+    assert weights_held_as(None, True, torch.bfloat16, cuda) == "int4"  # torch's int4 matmul
+    assert weights_held_as(None, True, torch.float32, cuda) is None  # dense copies
+    assert weights_held_as("int8", False, torch.bfloat16, cuda) is None
+
+
+def test_a_model_that_does_not_fit_is_refused_before_loading(tiny_llama_dir, monkeypatch):
+    """The check counts the weights as they will be held (int8 layers take about twice int4's
+    bytes), with the rotary tables and one KV block: one byte short of an int8 load, an int4 one
+    still fits and the int8 one is refused, with both numbers."""
+    from tokenmill.models import loader
+    from tokenmill.models.model_math import ModelMath
+
+    config = loader.load_hf_config(tiny_llama_dir)
+    rest = 4 * config.max_position_embeddings * config.head_dim * 4 + config.kv_bytes_per_block(16, 4)
+    int8 = ModelMath(config).weight_bytes("float32", "int8") + rest
+    monkeypatch.setattr(loader, "available_memory_bytes", lambda device: int(int8) - 1)
+    load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4", with_tokenizer=False)
+    with pytest.raises(ModelLoadError, match="only .* GB"):
+        load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int8", with_tokenizer=False)

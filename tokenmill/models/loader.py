@@ -104,9 +104,8 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
             raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's context length {context}")
         context = max_model_len
 
-    quantized_bytes = quantization in ("int8", "int4") or (quantization is None and path.is_file())
     check_fits_in_memory(config, context, dtype, device, 1 if shard is None else shard.world_size,
-                         "int4" if quantized_bytes else None)
+                         weights_held_as(quantization, path.is_file(), dtype, device))
     if shard is None:
         net = build_model(config, context, dtype, device)
         net.load_weights(weights)
@@ -128,6 +127,22 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
         if any(counts.values()):
             logger.info("quantized linears on %s: %s", device, counts)
     return net, config, context
+
+
+def weights_held_as(quantization: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device) -> str | None:
+    """How the linear weights are held once loaded, for check_fits_in_memory: "int8" or "int4"
+    where they stay quantized (a GGUF's own mix counts as int4), None where they are dense in the
+    model's dtype. On CUDA only 4-bit weights of bf16 models stay quantized (torch's int4 matmul);
+    every other one becomes a dense copy there (layers/gpu_quantized.py)."""
+    if quantization == "int8":
+        held = "int8"
+    elif quantization == "int4" or (quantization is None and is_gguf):
+        held = "int4"
+    else:
+        return None
+    if device.type == "cuda" and (held != "int4" or dtype != torch.bfloat16):
+        return None
+    return held
 
 
 def check_fits_in_memory(config: ModelConfig, context: int, dtype: torch.dtype, device: torch.device,
