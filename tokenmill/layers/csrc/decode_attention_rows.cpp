@@ -34,6 +34,24 @@ namespace {
 
 constexpr int64_t kMaxGroups = 8;  // query heads per kv head
 
+// Runs fn(X{}, C{}) for rows of dtype x over caches of dtype cache: the same dtype, or a 16-bit
+// cache under float32 rows; anything else is an error naming the op.
+template <typename Fn>
+void for_row_and_cache_types(at::ScalarType x, at::ScalarType cache, const char* op, Fn&& fn) {
+  TORCH_CHECK(x == cache || (x == at::kFloat && (cache == at::kHalf || cache == at::kBFloat16)), op,
+              ": the caches must hold the rows' dtype, or a 16-bit one under float32 rows");
+  switch (x) {
+    case at::kFloat:
+      if (cache == at::kHalf) fn(float{}, c10::Half{});
+      else if (cache == at::kBFloat16) fn(float{}, c10::BFloat16{});
+      else fn(float{}, float{});
+      break;
+    case at::kBFloat16: fn(c10::BFloat16{}, c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}, c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": expected float32, bfloat16 or float16");
+  }
+}
+
 template <typename T, typename C>  // T: queries and output, C: the caches
 void attend(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int64_t* table, int64_t table_stride,
             const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t kv_heads, int64_t num_blocks,
@@ -108,11 +126,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
               "decode_attention_rows: q must be [B, H, D] with each row's heads contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous(), "decode_attention_rows: caches must be contiguous [kv_heads, blocks, block_size, D]");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (q.scalar_type() == k_cache.scalar_type() ||
-                   (q.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
-                                                      k_cache.scalar_type() == at::kBFloat16))),
-              "decode_attention_rows: the caches must hold q's dtype, or a 16-bit one under float32 q");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "decode_attention_rows: the caches must be alike");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % kv_heads == 0 && H / kv_heads <= kMaxGroups,
@@ -133,22 +147,12 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
   }
   at::Tensor out = at::empty({B, H * D}, q.options());
   const float s = static_cast<float>(scale);
-  auto run = [&](auto q_type, auto cache_type) {
+  for_row_and_cache_types(q.scalar_type(), k_cache.scalar_type(), "decode_attention_rows", [&](auto q_type, auto cache_type) {
     using T = decltype(q_type);
     using C = decltype(cache_type);
     attend<T, C>(q.data_ptr<T>(), q.stride(0), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), table,
                  block_table.stride(0), lens, out.data_ptr<T>(), B, H, kv_heads, num_blocks, block_size, D, s);
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      if (k_cache.scalar_type() == at::kHalf) run(float{}, c10::Half{});
-      else if (k_cache.scalar_type() == at::kBFloat16) run(float{}, c10::BFloat16{});
-      else run(float{}, float{});
-      break;
-    case at::kBFloat16: run(c10::BFloat16{}, c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}, c10::Half{}); break;
-    default: TORCH_CHECK(false, "decode_attention_rows: expected float32, bfloat16 or float16");
-  }
+  });
   return out;
 }
 
@@ -178,11 +182,7 @@ void write_kv_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type(),
               "write_kv_rows: caches must be alike and contiguous [kv_heads, blocks, block_size, D]");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
-                  (k.scalar_type() == k_cache.scalar_type() ||
-                   (k.scalar_type() == at::kFloat && (k_cache.scalar_type() == at::kHalf ||
-                                                      k_cache.scalar_type() == at::kBFloat16))),
-              "write_kv_rows: the caches must hold k's dtype, or a 16-bit one under float32 k");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "write_kv_rows: k and v must be alike");
   const int64_t T = k.size(0), heads = k.size(1), D = k.size(2);
   TORCH_CHECK(k_cache.size(0) == heads && k_cache.size(3) == D, "write_kv_rows: shapes do not match");
   TORCH_CHECK(write_index.scalar_type() == at::kLong && write_index.dim() == 1 && write_index.is_contiguous() &&
@@ -192,22 +192,12 @@ void write_kv_rows(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k
   for (int64_t i = 0; i < heads * T; ++i) {
     TORCH_CHECK(index[i] >= 0 && index[i] < rows, "write_kv_rows: row ", index[i], " is past the cache");
   }
-  auto run = [&](auto x_type, auto cache_type) {
+  for_row_and_cache_types(k.scalar_type(), k_cache.scalar_type(), "write_kv_rows", [&](auto x_type, auto cache_type) {
     using X = decltype(x_type);
     using C = decltype(cache_type);
     write_rows<X, C>(k, k_cache.data_ptr<C>(), index, T, heads, D);
     write_rows<X, C>(v, v_cache.data_ptr<C>(), index, T, heads, D);
-  };
-  switch (k.scalar_type()) {
-    case at::kFloat:
-      if (k_cache.scalar_type() == at::kHalf) run(float{}, c10::Half{});
-      else if (k_cache.scalar_type() == at::kBFloat16) run(float{}, c10::BFloat16{});
-      else run(float{}, float{});
-      break;
-    case at::kBFloat16: run(c10::BFloat16{}, c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}, c10::Half{}); break;
-    default: TORCH_CHECK(false, "write_kv_rows: expected float32, bfloat16 or float16");
-  }
+  });
 }
 
 // fused_decode_attention_rows(qkv [B, (H + 2 kv_heads) D], H, kv_heads, positions [B], cos, sin,
