@@ -36,7 +36,7 @@ def _decode_step(dtype: torch.dtype, groups: int, head_dim: int, use_kernel: boo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("groups,head_dim", [(1, 64), (3, 64), (8, 32), (2, 80)])
+@pytest.mark.parametrize("groups,head_dim", [(1, 64), (3, 64), (8, 32), (2, 80), (3, 20)])
 def test_kernel_decode_equals_the_pytorch_path(dtype, groups, head_dim, monkeypatch):
     got = _decode_step(dtype, groups, head_dim, True, monkeypatch)
     want = _decode_step(dtype, groups, head_dim, False, monkeypatch)

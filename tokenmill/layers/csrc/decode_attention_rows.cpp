@@ -21,6 +21,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "decode_rows.h"
 #include "fused_rows.h"
 #include "vec_math.h"
 
@@ -28,11 +29,14 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kMaxGroups = 8;  // query heads per kv head
+using tokenmill_rows::kMaxGroups;
+// below this many multiply-adds (sequence rows x query heads x D) a call runs on one thread
+constexpr int64_t kInlineWork = 1 << 16;
 
 // Runs fn(X{}, C{}) for rows of dtype x over caches of dtype cache: the same dtype, or a 16-bit
 // cache under float32 rows; anything else is an error naming the op.
@@ -56,66 +60,18 @@ template <typename T, typename C>  // T: queries and output, C: the caches
 void attend(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int64_t* table, int64_t table_stride,
             const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t kv_heads, int64_t num_blocks,
             int64_t block_size, int64_t D, float scale) {
-  using namespace tokenmill_vec;
-  const int64_t groups = H / kv_heads;
-  at::parallel_for(0, B * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(groups * D), acc(groups * D), scores;
+  const int64_t groups = H / kv_heads, head_stride = num_blocks * block_size * D;
+  // a few sequences' short contexts run on the calling thread: a parallel region costs more there
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += seq_lens[b] * H * D;
+  const int64_t grain = work < kInlineWork ? B * kv_heads : 1;
+  at::parallel_for(0, B * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    tokenmill_rows::AttentionScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, L = seq_lens[b];
-      const T* qb = q + b * q_stride + h * groups * D;
-      for (int64_t i = 0; i < groups * D; ++i) queries[i] = static_cast<float>(qb[i]) * scale;
-      scores.assign(groups * L, 0.0f);
-      // each row t of a cache in turn, walking the block table (no division per row)
-      auto for_each_row = [&](const C* cache, auto&& visit) {
-        for (int64_t start = 0, i = 0; start < L; start += block_size, ++i) {
-          const C* rows = cache + (h * num_blocks + table[b * table_stride + i]) * block_size * D;
-          for (int64_t t = start; t < std::min(L, start + block_size); ++t) visit(rows + (t - start) * D, t);
-        }
-      };
-      for_each_row(k_cache, [&](const C* key, int64_t t) {  // scores[g, t] = scale q_g . k_t
-        Vec16 dots[kMaxGroups];
-        for (int64_t g = 0; g < groups; ++g) dots[g] = zero();
-        for (int64_t d = 0; d < D; d += 16) {
-          const int64_t n = std::min<int64_t>(16, D - d);
-          const Vec16 kv = load(key + d, n);
-          for (int64_t g = 0; g < groups; ++g) dots[g] = fmadd(load(queries.data() + g * D + d, n), kv, dots[g]);
-        }
-        for (int64_t g = 0; g < groups; ++g) scores[g * L + t] = reduce_add(dots[g]);
-      });
-      for (int64_t g = 0; g < groups; ++g) {  // softmax over t, 16 lanes at a time
-        float* s = scores.data() + g * L;
-        const Vec16 top = set1(*std::max_element(s, s + L));
-        Vec16 total = zero();
-        for (int64_t t = 0; t < L; t += 16) {
-          const int64_t n = std::min<int64_t>(16, L - t);
-          const Vec16 e = exp(sub(load(s + t, n), top));
-          store(s + t, e, n);
-          total = add(total, load(s + t, n));  // zero past n, as the tail's exp is not
-        }
-        const Vec16 inverse = set1(1.0f / reduce_add(total));
-        for (int64_t t = 0; t < L; t += 16) {
-          const int64_t n = std::min<int64_t>(16, L - t);
-          store(s + t, mul(load(s + t, n), inverse), n);
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for_each_row(v_cache, [&](const C* value, int64_t t) {  // acc[g] += p[g, t] v_t
-        for (int64_t d = 0; d < D; d += 16) {
-          const int64_t n = std::min<int64_t>(16, D - d);
-          const Vec16 v = load(value + d, n);
-          for (int64_t g = 0; g < groups; ++g) {
-            float* a = acc.data() + g * D + d;
-            store(a, fmadd(set1(scores[g * L + t]), v, load(a, n)), n);
-          }
-        }
-      });
-      T* ob = out + (b * H + h * groups) * D;
-      for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t d = 0; d < D; d += 16) {
-          const int64_t n = std::min<int64_t>(16, D - d);
-          store(ob + g * D + d, load(acc.data() + g * D + d, n), n);
-        }
-      }
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const tokenmill_rows::AttentionItem item{groups, D, seq_lens[b], block_size, table + b * table_stride, scale};
+      tokenmill_rows::attend_item(item, q + b * q_stride + h * groups * D, k_cache + h * head_stride,
+                                  v_cache + h * head_stride, out + (b * H + h * groups) * D, scratch);
     }
   });
 }
@@ -161,16 +117,10 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_cache,
 // the cache's dtype: attention.write_kv's 8 PyTorch ops as one.
 template <typename T, typename C>
 void write_rows(const at::Tensor& x, C* cache, const int64_t* index, int64_t T_, int64_t heads, int64_t D) {
-  using namespace tokenmill_vec;
   const T* src = x.data_ptr<T>();
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t t = 0; t < T_; ++t) {
-      const T* row = src + t * x.stride(0) + h * x.stride(1);
-      C* dst = cache + index[h * T_ + t] * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        const int64_t n = std::min<int64_t>(16, D - d);
-        store(dst + d, load(row + d, n), n);
-      }
+      tokenmill_rows::store_row(src + t * x.stride(0) + h * x.stride(1), cache + index[h * T_ + t] * D, D);
     }
   }
 }
