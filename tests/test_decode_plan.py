@@ -27,6 +27,13 @@ def _runner(model_dir, quantization: str | None) -> ModelRunner:
     return ModelRunner(loaded.model, num_blocks=8, block_size=16, device=torch.device("cpu"), dtype=torch.bfloat16)
 
 
+def _float32_runner(model_dir, quantization: str, kv_cache_dtype: torch.dtype) -> ModelRunner:
+    loaded = load_model(str(model_dir), torch.float32, torch.device("cpu"), quantization=quantization,
+                        with_tokenizer=False)
+    return ModelRunner(loaded.model, num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.float32,
+                       kv_cache_dtype=kv_cache_dtype)
+
+
 def _with_and_without(runner: ModelRunner, batch: ForwardInput, owner: object, name: str):
     """runner.forward(batch) with owner.name as it is, then with it None (the second forward
     rewrites the same cache slots with the same values)."""
@@ -111,6 +118,8 @@ def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seq
 def test_layers_with_biases_or_qk_norms_keep_the_loop(tiny_model_dirs, arch):
     runner = _runner(tiny_model_dirs[arch], "int4")
     assert runner.decode_plan is not None and runner.decode_plan.fused is None
+    float32_runner = _float32_runner(tiny_model_dirs[arch], "int4", torch.float32)
+    assert float32_runner.decode_plan is not None and float32_runner.decode_plan.fused_rows is None
 
 
 @pytest.mark.skipif(not quant_gemv_q8_available(), reason="DecodeLayers runs the VNNI kernel (AVX-512 VNNI)")
@@ -136,7 +145,9 @@ def test_fused_layers_with_mixed_layouts(tiny_llama_dir):
 def test_the_avx2_plans_attention_is_one_op_bit_for_bit(tiny_llama_dir, kv_cache_dtype, monkeypatch):
     """On the AVX2 build a layer's rotary, KV write and decode attention are one op
     (fused_decode_attention_rows): the model's forward, which runs them one by one, bit for bit,
-    for a float32 model with its own pool or a float16 one."""
+    for a float32 model with its own pool or a float16 one. (The plan's Python loop, which layers
+    DecodeLayersRows does not take run; here it is made to run by TOKENMILL_DECODE_LAYERS=0.)"""
+    monkeypatch.setenv("TOKENMILL_DECODE_LAYERS", "0")
     loaded = load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4",
                         with_tokenizer=False)
     runner = ModelRunner(loaded.model, num_blocks=8, block_size=16, device=torch.device("cpu"), dtype=torch.float32,
@@ -152,3 +163,45 @@ def test_the_avx2_plans_attention_is_one_op_bit_for_bit(tiny_llama_dir, kv_cache
         with_plan, without = _with_and_without(runner, batch, runner, "decode_plan")
         assert torch.equal(with_plan, without), f"step {step}: max diff {(with_plan - without).abs().max()}"
     assert len(calls) == 3 * len(runner.model.layers)
+
+
+@pytest.mark.skipif(not decode_attention_rows_available(), reason="DecodeLayersRows is the AVX2 build's")
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [("int4", torch.float32), ("int4", torch.float16),
+                                                         ("int8", torch.bfloat16)])
+@pytest.mark.parametrize("num_seqs", [1, 3, 8])  # 8: two passes of 4 activation rows over the weights
+def test_fused_row_layers_equal_the_plans_loop(tiny_llama_dir, quantization, kv_cache_dtype, num_seqs, monkeypatch):
+    """On the AVX2 build, DecodeLayersRows (one call for every layer) gives the Python loop's hidden
+    states bit for bit, over contexts that cross block boundaries (prompts of 5 to 40 tokens, 8
+    steps), with the model's own float32 pool or a 16-bit one."""
+    runner = _float32_runner(tiny_llama_dir, quantization, kv_cache_dtype)
+    plan = runner.decode_plan
+    assert plan is not None and plan.fused_rows is not None and plan.fused is None
+    fused_calls = []
+    fused_call = FusedLayers.__call__
+    monkeypatch.setattr(FusedLayers, "__call__", lambda self, *a: fused_calls.append(1) or fused_call(self, *a))
+    prompts = [[(31 * i + j) % 900 + 1 for j in range(5 + 5 * i)] for i in range(num_seqs)]
+    for step, batch in enumerate(_decode_steps(runner, prompts, 8)):
+        with_fused, loop = _with_and_without(runner, batch, plan, "fused_rows")
+        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
+    assert len(fused_calls) == 8
+
+
+@pytest.mark.skipif(not decode_attention_rows_available(), reason="DecodeLayersRows is the AVX2 build's")
+def test_fused_row_layers_with_mixed_layouts(tiny_llama_dir):
+    """Projections of different bits, group sizes and activation bits in one float32 model (as
+    Q4_K_M files mix them): still the Python loop's result bit for bit; a projection with a bias
+    keeps the loop."""
+    model = load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4",
+                       with_tokenizer=False).model
+    for layer, bits, group in ((model.layers[0].mlp.down_proj, 8, 32), (model.layers[1].self_attn.qkv_proj, 8, 32),
+                               (model.layers[1].mlp.gate_up_proj, 4, 64)):
+        layer.qweight = quantize_rtn(layer.qweight.dequantize(), bits, group)
+    model.layers[0].self_attn.o_proj.activation_bits = 8  # one 8-bit part
+    runner = ModelRunner(model, num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.float32)
+    assert runner.decode_plan.fused_rows is not None
+    prompts = [[(17 * i + j) % 700 + 1 for j in range(9 + 7 * i)] for i in range(5)]
+    for step, batch in enumerate(_decode_steps(runner, prompts, 4)):
+        with_fused, loop = _with_and_without(runner, batch, runner.decode_plan, "fused_rows")
+        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
+    model.layers[1].mlp.down_proj.bias = torch.zeros(model.layers[1].mlp.down_proj.out_features)
+    assert DecodePlan(model, runner.kv_caches).fused_rows is None

@@ -37,7 +37,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in (
     "paged_decode.cpp", "quant_gemv.cpp", "quant_gemv_q8.cpp", "quant_gemm.cpp", "quant_gemm_q8.cpp", "fused_ops.cpp",
     "decode_step.cpp", "prefill_attention.cpp")]
-AVX2_SOURCES = [CSRC / name for name in ("quant_gemv_avx2.cpp", "fused_ops.cpp", "decode_attention_rows.cpp")]
+AVX2_SOURCES = [CSRC / name for name in (
+    "quant_gemv_avx2.cpp", "fused_ops.cpp", "decode_attention_rows.cpp", "decode_step_avx2.cpp")]
 HEADERS = [CSRC / name for name in (
     "vec_math.h", "quant_layout.h", "quant_gemv_q8.h", "quant_gemv_i8.h", "paged_decode.h", "fused_rows.h", "decode_rows.h")]  # in the build fingerprint too
 AVX2_FLAGS = {"avx2", "fma", "f16c"}

@@ -33,7 +33,7 @@ from tokenmill.layers.attention import (
 from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket, fused_decode_attention
 from tokenmill.layers.cpu_kernels import decode_attention_rows_available, fused_ops_available, kernels_available
 from tokenmill.layers.linear import silu_and_mul
-from tokenmill.layers.quantized import GEMV_MAX_ROWS, InterleavedWeight, QuantizedLinear
+from tokenmill.layers.quantized import GEMV_MAX_ROWS, InterleavedWeight, QuantizedLinear, QuantizedWeight
 from tokenmill.models.llama import DecoderForCausalLM
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -64,23 +64,27 @@ def _bound_linear(module: nn.Module) -> tuple[Linear, bool]:
 
 
 class FusedLayers:
-    """Every layer's few-row decode step as one call of csrc/decode_step.cpp's DecodeLayers, which
-    holds (and checked once) per layer its two norm weights, each projection's codes, scales and
-    offsets with 4 ints (bits, group size, rows, 16-bit activations), and its caches."""
+    """Every layer's few-row decode step as one call of a fused step, which holds (and checked once)
+    per layer its two norm weights, each projection's codes, scales and offsets with 4 ints (bits,
+    group size, rows, 16-bit activations), and its caches: csrc/decode_step.cpp's DecodeLayers for
+    the VNNI kernel and the paged kernel's caches, or on the AVX2 build decode_step_avx2.cpp's
+    DecodeLayersRows for the row layout and the PyTorch backend's caches."""
 
-    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 rows: bool) -> None:
         weights, linears = [], []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for p in _projections(layer):
                 w = p.qweight
                 weights += [w.codes, w.scales, w.offsets]
-                linears += [w.bits, w.group_size, w.num_rows, int(p.activation_bits == 16)]
+                linears += [w.bits, w.group_size, w.shape[0], int(p.activation_bits == 16)]
             weights += [k_cache, v_cache]
         first = model.layers[0]
-        self.layers = torch.classes.tokenmill.DecodeLayers(
-            weights, linears, first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.scale,
-            first.input_layernorm.eps, model.norm.weight)
+        fused_step = torch.classes.tokenmill.DecodeLayersRows if rows else torch.classes.tokenmill.DecodeLayers
+        self.rows = rows
+        self.layers = fused_step(weights, linears, first.self_attn.num_heads, first.self_attn.num_kv_heads,
+                                 first.self_attn.scale, first.input_layernorm.eps, model.norm.weight)
 
     @staticmethod
     def applies(model: DecoderForCausalLM) -> bool:
@@ -89,15 +93,34 @@ class FusedLayers:
             return False
         return all(layer.self_attn.q_norm is None and all(map(_runs_vnni, _projections(layer))) for layer in model.layers)
 
+    @staticmethod
+    def applies_rows(model: DecoderForCausalLM) -> bool:
+        """Whether every layer can run in DecodeLayersRows: a float32 model whose projections all
+        run quant_gemv_i8 over the row layout, without biases or q/k norms."""
+        if os.environ.get("TOKENMILL_DECODE_LAYERS", "1") == "0" or not decode_attention_rows_available():
+            return False
+        return model.norm.weight.dtype == torch.float32 and all(
+            layer.self_attn.q_norm is None and layer.input_layernorm.weight.dtype == torch.float32
+            and all(map(_runs_i8, _projections(layer))) for layer in model.layers)
+
     def __call__(self, x: torch.Tensor, rope, metadata) -> torch.Tensor:
         """x: the step's embeddings [T, hidden] (the residual stream, changed in place) -> the final norm's output."""
         decode = metadata.decode
+        if self.rows:
+            return self.layers.forward(x, rope.positions, rope.cos_cache, rope.sin_cache, metadata.write_index,
+                                       decode.block_table, decode.seq_lens)
         return self.layers.forward(x, rope.positions, rope.cos_cache, rope.sin_cache, metadata.slots,
                                    decode.block_table, decode.seq_lens, decode.context_len)
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _runs_i8(module: nn.Module) -> bool:
+    """Whether the module is a bias-free projection whose few rows go through quant_gemv_i8 (AVX2)."""
+    return (isinstance(module, QuantizedLinear) and isinstance(module.qweight, QuantizedWeight)
+            and module.bias is None and module.few_row_kernel() is not None)
 
 
 def _runs_vnni(module: nn.Module) -> bool:
@@ -125,7 +148,9 @@ class DecodePlan:
                 down=_bound_linear(mlp.down_proj)[0], gate_up_is_kernel=gate_up_is_kernel,
                 gate_up_module=mlp.gate_up_proj, q_norm=attn.q_norm, k_norm=attn.k_norm,
                 k_cache=k_cache, v_cache=v_cache))
-        self.fused = FusedLayers(model, kv_caches) if FusedLayers.applies(model) else None
+        self.fused = FusedLayers(model, kv_caches, rows=False) if FusedLayers.applies(model) else None
+        # the AVX2 build's, over the PyTorch backend's caches
+        self.fused_rows = FusedLayers(model, kv_caches, rows=True) if FusedLayers.applies_rows(model) else None
 
     @staticmethod
     def applies(backend: object) -> bool:
@@ -159,6 +184,8 @@ class DecodePlan:
             return self.fused(x, rope, metadata)
         # the AVX2 build's: rotary, KV write and decode_attention_rows in one op
         fused_rows = rope.tables is None and isinstance(backend, TorchPagedAttention) and decode_attention_rows_available()
+        if fused_rows and self.fused_rows is not None:
+            return self.fused_rows(x.contiguous(), rope, metadata)
         residual = None
         for layer in self.layers:
             if residual is None:

@@ -103,16 +103,27 @@ inline void quantize_group(const float* xg, int64_t G, bool two_parts, int8_t* q
   sum_out = horizontal_sum(sum8);
 }
 
-QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, int64_t G, bool two_parts) {
-  const int64_t groups = K / G;
-  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<int8_t>(two_parts ? M * K : 0),
-                         std::vector<float>(M * groups), std::vector<float>(M * groups)};
-  at::parallel_for(0, M * groups, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      quantize_group(x + i * G, G, two_parts, a.q1.data() + i * G, two_parts ? a.q2.data() + i * G : nullptr,
-                     a.scale[i], a.sums[i]);
-    }
-  });
+// Groups [begin, end) of x [M, K] (group i: row i / groups) rounded into a, sized for them.
+inline void quantize_groups(const float* x, int64_t G, bool two_parts, int64_t begin, int64_t end,
+                            QuantizedActivations& a) {
+  for (int64_t i = begin; i < end; ++i) {
+    quantize_group(x + i * G, G, two_parts, a.q1.data() + i * G, two_parts ? a.q2.data() + i * G : nullptr,
+                   a.scale[i], a.sums[i]);
+  }
+}
+
+// a sized for x [M, K] in groups of G (no allocation once it has held as many).
+inline void size_for(QuantizedActivations& a, int64_t M, int64_t K, int64_t G, bool two_parts) {
+  a.q1.resize(M * K);
+  a.q2.resize(two_parts ? M * K : 0);
+  a.scale.resize(M * K / G);
+  a.sums.resize(M * K / G);
+}
+
+inline QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, int64_t G, bool two_parts) {
+  QuantizedActivations a;
+  size_for(a, M, K, G, two_parts);
+  at::parallel_for(0, M * (K / G), 256, [&](int64_t begin, int64_t end) { quantize_groups(x, G, two_parts, begin, end, a); });
   return a;
 }
 
