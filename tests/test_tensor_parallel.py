@@ -36,8 +36,10 @@ def _param_bytes(module) -> int:
 # float32 rows are multiplied exactly that moves log-probabilities by ~1e-6; on AVX2 CPUs quantized
 # layers round their float32 rows to ~16 bits per group (quant_gemv_i8), and a last-bit difference
 # that crosses a rounding step moves the next layer's input by a step, so the two runs' roundings
-# drift apart: up to ~1.4e-3 measured on the default model over 16 tokens, 2e-4 on the tiny ones.
-LOGPROB_TOLERANCE = 3e-3 if quant_gemv_i8_available() else 1e-4
+# drift apart: on the default model over 16 tokens ~1.3e-3 measured, then 3.3e-3 once the AVX2
+# decode attention summed in another order (2026-12-05: same tokens, only where the drift lands
+# moved); 2e-4 on the tiny ones.
+LOGPROB_TOLERANCE = 5e-3 if quant_gemv_i8_available() else 1e-4
 
 
 def _assert_same(reference, outputs, tolerance: float = LOGPROB_TOLERANCE):

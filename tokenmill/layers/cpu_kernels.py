@@ -14,7 +14,9 @@ a smaller extension instead: quant_gemv_avx2.cpp (the same quant_gemv and quant_
 that their decode steps read the quantized weights as they are, and quant_gemv_i8, which batches
 of up to 64 rows use too) and fused_ops.cpp built for AVX2
 (all of its ops but argmax_rows and apply_token_bitmask_), and decode_attention_rows.cpp, the
-PyTorch attention backend's decode steps and KV writes, one op each; the rest takes the PyTorch path there. Where no build is available, or with TOKENMILL_CPU_KERNELS=0, callers use their
+PyTorch attention backend's decode steps and KV writes, one op each, and decode_step_avx2.cpp, a
+few-row decode step through every layer in one call (models/decode_plan.py); the rest takes the
+PyTorch path there. Where no build is available, or with TOKENMILL_CPU_KERNELS=0, callers use their
 PyTorch paths.
 """
 

@@ -11,9 +11,9 @@
 // write_kv_rows writes a step's new keys and values into those rows (attention.write_kv, as one op),
 // and fused_decode_attention_rows does a decode step's rotary, KV write and attention in one.
 //
-// Work is split over (sequence, kv head); the query heads of a kv head's group (GQA) share each
-// key and value row read. Arithmetic is float32 (a softmax with the max subtracted, vec_math.h's exp), the
-// output rounded once to q's dtype.
+// Work is split over (sequence, kv head), each one decode_rows.h's attend_item (which the fused AVX2
+// decode step, decode_step_avx2.cpp, runs too); a few short sequences stay on the calling thread.
+// The output is rounded once to q's dtype.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
