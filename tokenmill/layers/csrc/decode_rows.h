@@ -49,8 +49,8 @@ inline __m256 sum_each(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(pairs, more, 0x20), _mm256_permute2f128_ps(pairs, more, 0x31));
 }
 
-// Calls visit(first row, t0, n) for each run of n <= 8 consecutive rows [t0, t0 + n) of sequence
-// b's first L rows of one kv head's cache, walking its block table.
+// Calls visit(first row, t0, n) for each run of n <= 8 consecutive rows [t0, t0 + n) among a
+// sequence's first L rows in one kv head's cache, walking the sequence's block table.
 template <typename C, typename Visit>
 inline void for_each_run(const C* head_cache, const int64_t* table, int64_t L, int64_t block_size, int64_t D,
                          Visit&& visit) {
@@ -119,8 +119,9 @@ void weigh_values(const float* p, const C* head_cache, const int64_t* table, int
   });
 }
 
-// Where one (sequence, kv head) reads and writes: q_heads its group's query rows [groups, D] (T),
-// out its output rows [groups, D]; table the sequence's block table, L its length.
+// One (sequence, kv head): its group's query-head count, head_dim, the sequence's length L and
+// block table, and the softmax scale. attend_item reads the group's query rows [groups, D] and
+// writes its output rows [groups, D].
 struct AttentionItem {
   int64_t groups, D, L, block_size;
   const int64_t* table;
