@@ -42,7 +42,8 @@ SOURCES = [CSRC / name for name in (
 AVX2_SOURCES = [CSRC / name for name in (
     "quant_gemv_avx2.cpp", "fused_ops.cpp", "decode_attention_rows.cpp", "decode_step_avx2.cpp")]
 HEADERS = [CSRC / name for name in (
-    "vec_math.h", "quant_layout.h", "quant_gemv_q8.h", "quant_gemv_i8.h", "paged_decode.h", "fused_rows.h", "decode_rows.h")]  # in the build fingerprint too
+    "vec_math.h", "quant_layout.h", "quant_gemv_q8.h", "quant_gemv_i8.h", "paged_decode.h", "fused_rows.h", "decode_rows.h",
+    "decode_layers.h")]  # in the build fingerprint too
 AVX2_FLAGS = {"avx2", "fma", "f16c"}
 
 

@@ -13,14 +13,7 @@
 // holds 16 tensors: input norm, post-attention norm, then codes, scales and offsets of the fused
 // q/k/v, o, fused gate/up and down projections (the interleaved layout), then the key and value
 // caches; linears holds 4 ints per projection: bits, group size, output rows, two_parts (16-bit
-// activations). Per layer, in phases (`single`: one thread, the others wait):
-//   single  h = norm(residual [+= previous down]); h quantized per group of q/k/v's weight
-//   all     qkv = h @ Wqkv, each thread a share of the 16-row blocks
-//   all     per (sequence, kv head): rotary of its k and q heads, its new k/v into the cache, attention
-//   single  attention output quantized         all  o = . @ Wo
-//   single  h = norm(residual += o); quantized all  gate_up = h @ Wgu
-//   single  silu(gate) * up; quantized         all  down = . @ Wdown
-// and after the last layer the final norm (residual += down).
+// activations). The phases and what the two builds share: decode_layers.h.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,6 +27,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "decode_layers.h"
 #include "fused_rows.h"
 #include "paged_decode.h"
 #include "quant_gemv_q8.h"
@@ -43,10 +37,9 @@ namespace {
 #if defined(__AVX512VNNI__)
 using namespace tokenmill_q8;
 using tokenmill_attention::Geometry;
-
-constexpr int64_t kTensorsPerLayer = 16;
-constexpr int64_t kIntsPerLinear = 4;
-constexpr int64_t kMaxRows = 8;  // GEMV_MAX_ROWS in layers/quantized.py
+using tokenmill_layers::kMaxRows;
+using tokenmill_layers::kTensorsPerLayer;
+using tokenmill_layers::Shape;
 
 // One projection's weight in the interleaved layout.
 struct Linear {
@@ -74,14 +67,6 @@ struct Linear {
     }
   }
   static constexpr int64_t kPrefetchBytes = 4096;
-};
-
-struct Layer {
-  const void* input_norm;
-  const void* post_norm;
-  Linear qkv, o, gate_up, down;
-  void* k_cache;
-  void* v_cache;
 };
 
 Linear linear_of(const at::Tensor* t, const int64_t* ints, int64_t K) {
@@ -127,18 +112,8 @@ void gemv_share(const Linear& w, const Activations& a, int64_t M, int thread, in
                   w.groups(), w.two_parts, begin, end, w.N, local, out);
 }
 
-template <typename T>
-void gemv(const Linear& w, const Activations& a, int64_t M, int thread, int num_threads, float* local, T* out) {
-  if (w.half_scales) {
-    gemv_share<T, c10::Half>(w, a, M, thread, num_threads, local, out);
-  } else {
-    gemv_share<T, float>(w, a, M, thread, num_threads, local, out);
-  }
-}
-
 // Everything the step reads besides the layers.
 struct StepInputs {
-  int64_t M, H, I, num_heads, num_kv_heads, D;
   const int64_t* positions;
   const int64_t* slots;
   const int64_t* block_tables;
@@ -146,105 +121,65 @@ struct StepInputs {
   const float* cos;
   const float* sin;
   float scale;
-  double eps;
   Geometry geometry;
 };
 
-// Rotary, KV write and attention of sequence b's kv head kv (its group of query heads), as
-// decode_attention in paged_decode.cpp does them for the whole step.
-template <typename T>
-void attention_item(const StepInputs& s, const Layer& layer, T* qkv, T* q_rows, T* out, float* scores, int64_t b,
-                    int64_t kv) {
-  const Geometry& g = s.geometry;
-  const int64_t stride = (s.num_heads + 2 * s.num_kv_heads) * s.D;
-  T* row = qkv + b * stride;
-  const float* cos = s.cos + s.positions[b] * s.D;
-  const float* sin = s.sin + s.positions[b] * s.D;
-  T* key = row + (s.num_heads + kv) * s.D;
-  tokenmill_rows::rotate_row(key, cos, sin, s.D);
-  tokenmill_rows::write_kv_row(reinterpret_cast<const char*>(key),
-                               reinterpret_cast<const char*>(row + (s.num_heads + s.num_kv_heads + kv) * s.D),
-                               static_cast<char*>(layer.k_cache), static_cast<char*>(layer.v_cache), kv, s.slots[b],
-                               g.num_blocks, g.block_size, s.D, sizeof(T));
-  const int64_t head0 = kv * g.groups;
-  for (int64_t h = head0; h < head0 + g.groups; ++h) {
-    tokenmill_rows::rotate_row(row + h * s.D, cos, sin, s.D);
-    std::copy(row + h * s.D, row + (h + 1) * s.D, q_rows + (b * s.num_heads + h) * s.D);
-  }
-  const int64_t len = std::min(s.seq_lens[b], g.context);
-  tokenmill_attention::qk_item(g, q_rows, static_cast<const T*>(layer.k_cache), s.block_tables, b, kv, len, s.scale,
-                               scores, g.context);
-  for (int64_t h = 0; h < g.groups; ++h) tokenmill_attention::softmax_row(scores + h * g.context, len, g.context);
-  tokenmill_attention::pv_item(g, scores, g.context, static_cast<const T*>(layer.v_cache), s.block_tables, b, kv, len,
-                               out);
-}
+using Layer = tokenmill_layers::Layer<Linear>;
 
-template <typename T, typename W>
-void run_layers(const StepInputs& s, const std::vector<Layer>& layers, const W* final_norm, T* residual, T* y) {
-  const int64_t M = s.M, H = s.H, qkv_width = (s.num_heads + 2 * s.num_kv_heads) * s.D;
-  const int64_t attn_width = s.num_heads * s.D;
-  std::vector<T> h(M * H), qkv(M * qkv_width), q_rows(M * attn_width), attn(M * attn_width), o(M * H);
-  std::vector<T> gate_up(M * 2 * s.I), gated(M * s.I), down(M * H);
-  int64_t max_K = std::max({H, attn_width, s.I}), max_blocks = 0;
-  for (const Layer& l : layers)
-    for (const Linear* w : {&l.qkv, &l.o, &l.gate_up, &l.down}) max_blocks = std::max(max_blocks, w->blocks);
-  Activations act(M, max_K);
-  const int64_t items = M * s.num_kv_heads;
-  const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), max_blocks)));
-  auto norm = [&](const T* x, T* res, const void* w, T* out) {
-    for (int64_t m = 0; m < M; ++m)
-      tokenmill_rows::norm_row(x + m * H, res == nullptr ? nullptr : res + m * H, static_cast<const W*>(w),
-                               out + m * H, H, s.eps);
+// The layout's part of a step (tokenmill_layers::run_layers runs the phases): activations
+// quantized per group of each weight, the VNNI kernel's share of blocks, the paged cache.
+template <typename T>
+struct Step {
+  const StepInputs& s;
+  const Shape& shape;
+  int64_t max_blocks;
+  Activations act;
+  std::vector<T> q_rows;  // each sequence's query heads after rotary, [M, num_heads * D]
+
+  struct Scratch {
+    std::vector<float> local, scores;
   };
-#pragma omp parallel num_threads(num_threads)
-  {
-    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    std::vector<float> local(kPassRows * (max_blocks / threads + 2) * kLanes);
-    std::vector<float> scores(s.geometry.groups * s.geometry.context);
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const Layer& layer = layers[i];
-#pragma omp single
-      {
-        if (i == 0) {
-          norm(residual, nullptr, layer.input_norm, h.data());
-        } else {
-          norm(down.data(), residual, layer.input_norm, h.data());
-        }
-        act.quantize(h.data(), M, layer.qkv);
-      }
-      gemv(layer.qkv, act, M, thread, threads, local.data(), qkv.data());
-      layer.o.prefetch_share(thread, threads);
-#pragma omp barrier
-      for (int64_t item = items * thread / threads; item < items * (thread + 1) / threads; ++item)
-        attention_item(s, layer, qkv.data(), q_rows.data(), attn.data(), scores.data(), item / s.num_kv_heads,
-                       item % s.num_kv_heads);
-#pragma omp barrier
-#pragma omp single
-      act.quantize(attn.data(), M, layer.o);
-      gemv(layer.o, act, M, thread, threads, local.data(), o.data());
-      layer.gate_up.prefetch_share(thread, threads);
-#pragma omp barrier
-#pragma omp single
-      {
-        norm(o.data(), residual, layer.post_norm, h.data());
-        act.quantize(h.data(), M, layer.gate_up);
-      }
-      gemv(layer.gate_up, act, M, thread, threads, local.data(), gate_up.data());
-      layer.down.prefetch_share(thread, threads);
-#pragma omp barrier
-#pragma omp single
-      {
-        for (int64_t m = 0; m < M; ++m)
-          tokenmill_rows::silu_and_mul_row(gate_up.data() + m * 2 * s.I, gated.data() + m * s.I, s.I);
-        act.quantize(gated.data(), M, layer.down);
-      }
-      gemv(layer.down, act, M, thread, threads, local.data(), down.data());
-      if (i + 1 < layers.size()) layers[i + 1].qkv.prefetch_share(thread, threads);
-#pragma omp barrier
+  Scratch scratch(int threads) const {
+    return {std::vector<float>(kPassRows * (max_blocks / threads + 2) * kLanes),
+            std::vector<float>(s.geometry.groups * s.geometry.context)};
+  }
+  void round(const Linear& w, const T* x, int64_t M) { act.quantize(x, M, w); }
+  void multiply(const Linear& w, int64_t M, int thread, int threads, Scratch& scratch, T* out) const {
+    if (w.half_scales) {
+      gemv_share<T, c10::Half>(w, act, M, thread, threads, scratch.local.data(), out);
+    } else {
+      gemv_share<T, float>(w, act, M, thread, threads, scratch.local.data(), out);
     }
   }
-  norm(down.data(), residual, final_norm, y);
-}
+
+  // Rotary, KV write and attention of sequence b's kv head kv (its group of query heads), as
+  // decode_attention in paged_decode.cpp does them for the whole step.
+  void attend(const Layer& layer, T* qkv, T* out, int64_t b, int64_t kv, Scratch& scratch) {
+    const Geometry& g = s.geometry;
+    const int64_t D = shape.D, num_heads = shape.num_heads, num_kv_heads = shape.num_kv_heads;
+    T* row = qkv + b * shape.qkv_width();
+    const float* cos = s.cos + s.positions[b] * D;
+    const float* sin = s.sin + s.positions[b] * D;
+    T* key = row + (num_heads + kv) * D;
+    tokenmill_rows::rotate_row(key, cos, sin, D);
+    tokenmill_rows::write_kv_row(reinterpret_cast<const char*>(key),
+                                 reinterpret_cast<const char*>(row + (num_heads + num_kv_heads + kv) * D),
+                                 static_cast<char*>(layer.k_cache), static_cast<char*>(layer.v_cache), kv, s.slots[b],
+                                 g.num_blocks, g.block_size, D, sizeof(T));
+    const int64_t head0 = kv * g.groups;
+    for (int64_t h = head0; h < head0 + g.groups; ++h) {
+      tokenmill_rows::rotate_row(row + h * D, cos, sin, D);
+      std::copy(row + h * D, row + (h + 1) * D, q_rows.data() + (b * num_heads + h) * D);
+    }
+    const int64_t len = std::min(s.seq_lens[b], g.context);
+    float* scores = scratch.scores.data();
+    tokenmill_attention::qk_item(g, q_rows.data(), static_cast<const T*>(layer.k_cache), s.block_tables, b, kv, len,
+                                 s.scale, scores, g.context);
+    for (int64_t h = 0; h < g.groups; ++h) tokenmill_attention::softmax_row(scores + h * g.context, len, g.context);
+    tokenmill_attention::pv_item(g, scores, g.context, static_cast<const T*>(layer.v_cache), s.block_tables, b, kv,
+                                 len, out);
+  }
+};
 
 template <typename Fn>
 void for_dtype(const at::Tensor& t, const char* what, Fn&& fn) {
@@ -261,38 +196,16 @@ class DecodeLayers : public torch::CustomClassHolder {
  public:
   DecodeLayers(std::vector<at::Tensor> weights, std::vector<int64_t> linears, int64_t num_heads, int64_t num_kv_heads,
                double scale, double eps, at::Tensor final_norm)
-      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads), scale_(static_cast<float>(scale)), eps_(eps) {
-    const int64_t num_layers = static_cast<int64_t>(weights_.size()) / kTensorsPerLayer;
-    TORCH_CHECK(num_layers > 0 && weights_.size() == static_cast<size_t>(num_layers * kTensorsPerLayer) &&
-                    linears.size() == static_cast<size_t>(num_layers * 4 * kIntsPerLinear),
-                "DecodeLayers: 16 tensors and 16 ints per layer");
-    const at::Tensor& k0 = weights_[kTensorsPerLayer - 2];
-    TORCH_CHECK(k0.dim() == 4 && (k0.scalar_type() == at::kBFloat16 || k0.scalar_type() == at::kHalf),
-                "DecodeLayers: caches must be bfloat16 or float16 [kv_heads, blocks, block_size, head_dim]");
-    TORCH_CHECK(k0.size(0) == num_kv_heads && num_heads % num_kv_heads == 0, "DecodeLayers: heads do not match the caches");
-    H_ = final_norm_.size(0), D_ = k0.size(3);
-    TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.is_contiguous() && final_norm_.scalar_type() != at::kDouble,
-                "DecodeLayers: final_norm must be [H]");
-    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * D_;
-    for (int64_t l = 0; l < num_layers; ++l) {
-      const at::Tensor* t = weights_.data() + l * kTensorsPerLayer;
-      const int64_t* ints = linears.data() + l * 4 * kIntsPerLinear;
-      for (int i : {0, 1})
-        TORCH_CHECK(t[i].dim() == 1 && t[i].size(0) == H_ && t[i].is_contiguous() &&
-                        t[i].scalar_type() == final_norm_.scalar_type(), "DecodeLayers: norm weights must be [H], one dtype");
-      for (int i : {14, 15})
-        TORCH_CHECK(t[i].sizes() == k0.sizes() && t[i].is_contiguous() && t[i].scalar_type() == k0.scalar_type(),
-                    "DecodeLayers: every cache must be like the first layer's");
-      Layer layer{t[0].data_ptr(), t[1].data_ptr(), linear_of(t + 2, ints, H_),
-                  linear_of(t + 5, ints + 4, num_heads * D_), linear_of(t + 8, ints + 8, H_), {},
-                  t[14].data_ptr(), t[15].data_ptr()};
-      I_ = layer.gate_up.N / 2;
-      layer.down = linear_of(t + 11, ints + 12, I_);
-      TORCH_CHECK(layer.qkv.N == qkv_width && layer.o.N == H_ && layer.down.N == H_ && layer.gate_up.N == 2 * I_,
-                  "DecodeLayers: projection shapes do not match the model's");
-      layers_.push_back(layer);
-    }
+      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), scale_(static_cast<float>(scale)), eps_(eps) {
+    TORCH_CHECK(!weights_.empty() && weights_.size() >= kTensorsPerLayer, "DecodeLayers: 16 tensors and 16 ints per layer");
+    const at::ScalarType cache_dtype = weights_[kTensorsPerLayer - 2].scalar_type();
+    TORCH_CHECK(cache_dtype == at::kBFloat16 || cache_dtype == at::kHalf, "DecodeLayers: caches must be bfloat16 or float16");
+    TORCH_CHECK(final_norm_.scalar_type() != at::kDouble, "DecodeLayers: final_norm must be bfloat16, float16 or float32");
+    shape_.num_heads = num_heads;
+    shape_.num_kv_heads = num_kv_heads;
+    layers_ = tokenmill_layers::layers_of<Linear>(weights_, linears, final_norm_, "DecodeLayers", linear_of, shape_);
+    for (const Layer& l : layers_)
+      for (const Linear* w : {&l.qkv, &l.o, &l.gate_up, &l.down}) max_blocks_ = std::max(max_blocks_, w->blocks);
   }
 
   // x [M, H]: the step's embeddings, the residual stream (changed in place); positions, slots,
@@ -300,30 +213,36 @@ class DecodeLayers : public torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                      at::Tensor block_tables, at::Tensor seq_lens, int64_t context) {
     const at::Tensor& k0 = weights_[kTensorsPerLayer - 2];
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == H_ &&
+    const int64_t H = shape_.H, D = shape_.D;
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == H &&
                     x.scalar_type() == k0.scalar_type(), "DecodeLayers: x must be contiguous [M <= 8, H] in the caches' dtype");
     const int64_t M = x.size(0);
     for (const at::Tensor* t : {&positions, &slots, &seq_lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == M,
                   "DecodeLayers: positions, slots and seq_lens must be int64 [M]");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D_ && cos.is_contiguous() &&
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() &&
                     sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.scalar_type() == at::kFloat,
                 "DecodeLayers: cos and sin must be contiguous float32 [max_positions, head_dim]");
-    StepInputs s{M, H_, I_, num_heads_, num_kv_heads_, D_, positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
-                 block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), cos.data_ptr<float>(),
-                 sin.data_ptr<float>(), scale_, eps_, tokenmill_attention::geometry_of(k0, block_tables, M, num_heads_, context)};
+    const StepInputs s{positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+                       seq_lens.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), scale_,
+                       tokenmill_attention::geometry_of(k0, block_tables, M, shape_.num_heads, context)};
     for (int64_t m = 0; m < M; ++m) {
       TORCH_CHECK(s.positions[m] >= 0 && s.positions[m] < cos.size(0), "DecodeLayers: position past the rotary table");
       TORCH_CHECK(s.slots[m] >= 0 && s.slots[m] < s.geometry.num_blocks * s.geometry.block_size,
                   "DecodeLayers: slot past the cache");
     }
-    at::Tensor y = at::empty({M, H_}, x.options());
+    at::Tensor y = at::empty({M, H}, x.options());
+    const int64_t max_K = std::max({H, shape_.num_heads * D, shape_.I});
+    const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), max_blocks_)));
     for_dtype(x, "x", [&](auto xt) {
       using T = decltype(xt);
       for_dtype(final_norm_, "norm weights", [&](auto wt) {
         using W = decltype(wt);
-        if constexpr (!std::is_same_v<T, float>)
-          run_layers<T, W>(s, layers_, final_norm_.data_ptr<W>(), x.data_ptr<T>(), y.data_ptr<T>());
+        if constexpr (!std::is_same_v<T, float>) {
+          Step<T> step{s, shape_, max_blocks_, Activations(M, max_K), std::vector<T>(M * shape_.num_heads * D)};
+          tokenmill_layers::run_layers<T, W>(step, layers_, shape_, M, eps_, final_norm_.data_ptr<W>(),
+                                             x.data_ptr<T>(), y.data_ptr<T>(), num_threads);
+        }
       });
     });
     return y;
@@ -333,7 +252,8 @@ class DecodeLayers : public torch::CustomClassHolder {
   std::vector<at::Tensor> weights_;  // what layers_ points into, kept alive
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
-  int64_t num_heads_, num_kv_heads_, H_ = 0, I_ = 0, D_ = 0;
+  Shape shape_{};
+  int64_t max_blocks_ = 0;
   float scale_;
   double eps_;
 };

@@ -13,15 +13,8 @@
 // weights holds 16 tensors: input norm, post-attention norm (float32), then codes, scales and
 // offsets of the fused q/k/v, o, fused gate/up and down projections (the row layout), then the key
 // and value caches ([kv_heads, blocks, block_size, D], float32, float16 or bfloat16); linears holds
-// 4 ints per projection: bits, group size, output rows, two_parts (16-bit activations). Per layer,
-// in phases (`single`: one thread, the others wait):
-//   single  h = norm(residual [+= previous down]); h rounded per group of q/k/v's weight
-//   all     qkv = h @ Wqkv, each thread a share of the output rows
-//   all     per (sequence, kv head): rotary of its k and q heads, its new k/v into the cache, attention
-//   single  attention output rounded             all  o = . @ Wo
-//   single  h = norm(residual += o); rounded     all  gate_up = h @ Wgu
-//   single  silu(gate) * up; rounded             all  down = . @ Wdown
-// and after the last layer the final norm (residual += down).
+// 4 ints per projection: bits, group size, output rows, two_parts (16-bit activations). The phases
+// and what the two builds share: decode_layers.h.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,6 +28,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "decode_layers.h"
 #include "decode_rows.h"
 #include "fused_rows.h"
 #include "quant_gemv_i8.h"
@@ -42,10 +36,8 @@
 namespace {
 
 using namespace tokenmill_i8;
-
-constexpr int64_t kTensorsPerLayer = 16;
-constexpr int64_t kIntsPerLinear = 4;
-constexpr int64_t kStepRows = 8;  // GEMV_MAX_ROWS in layers/quantized.py
+using tokenmill_layers::kTensorsPerLayer;
+using tokenmill_layers::Shape;
 
 // One projection's weight in the row layout.
 struct Linear {
@@ -91,14 +83,6 @@ struct Linear {
   }
 };
 
-struct Layer {
-  const float* input_norm;
-  const float* post_norm;
-  Linear qkv, o, gate_up, down;
-  void* k_cache;
-  void* v_cache;
-};
-
 Linear linear_of(const at::Tensor* t, const int64_t* ints, int64_t K) {
   const at::Tensor &codes = t[0], &scales = t[1], &offsets = t[2];
   const int64_t bits = ints[0], G = ints[1], N = ints[2];
@@ -115,7 +99,7 @@ Linear linear_of(const at::Tensor* t, const int64_t* ints, int64_t K) {
 
 // Everything the step reads besides the layers.
 struct StepInputs {
-  int64_t M, H, I, num_heads, num_kv_heads, D, block_size, head_stride, table_stride;
+  int64_t M, block_size, head_stride, table_stride;
   const int64_t* positions;
   const int64_t* write_index;
   const int64_t* block_table;
@@ -123,134 +107,65 @@ struct StepInputs {
   const float* cos;
   const float* sin;
   float scale;
-  double eps;
 };
 
-// Rotary, KV write and attention of sequence b's kv head kv (its group of query heads), as
-// fused_decode_attention_rows (decode_attention_rows.cpp) does them for the whole step.
-template <typename C>
-void attention_item(const StepInputs& s, const Layer& layer, float* qkv, float* out,
-                    tokenmill_rows::AttentionScratch& scratch, int64_t b, int64_t kv) {
-  const int64_t groups = s.num_heads / s.num_kv_heads, D = s.D;
-  float* row = qkv + b * (s.num_heads + 2 * s.num_kv_heads) * D;
-  const float* cos = s.cos + s.positions[b] * D;
-  const float* sin = s.sin + s.positions[b] * D;
-  float* key = row + (s.num_heads + kv) * D;
-  tokenmill_rows::rotate_row(key, cos, sin, D);
-  for (int64_t h = kv * groups; h < (kv + 1) * groups; ++h) tokenmill_rows::rotate_row(row + h * D, cos, sin, D);
-  C* k_cache = static_cast<C*>(layer.k_cache);
-  C* v_cache = static_cast<C*>(layer.v_cache);
-  const int64_t slot = s.write_index[kv * s.M + b];
-  tokenmill_rows::store_row(key, k_cache + slot * D, D);
-  tokenmill_rows::store_row(row + (s.num_heads + s.num_kv_heads + kv) * D, v_cache + slot * D, D);
-  const tokenmill_rows::AttentionItem item{groups, D, s.seq_lens[b], s.block_size, s.block_table + b * s.table_stride,
-                                           s.scale};
-  tokenmill_rows::attend_item(item, row + kv * groups * D, k_cache + kv * s.head_stride, v_cache + kv * s.head_stride,
-                              out + (b * s.num_heads + kv * groups) * D, scratch);
-}
+using Layer = tokenmill_layers::Layer<Linear>;
 
+// The layout's part of a step (tokenmill_layers::run_layers runs the phases): activations rounded
+// per group of each weight, quant_gemv_i8's loops over a share of the rows, the PyTorch backend's
+// cache rows.
 template <typename C>
-void run_layers(const StepInputs& s, const std::vector<Layer>& layers, const float* final_norm, float* residual,
-                float* y) {
-  const int64_t M = s.M, H = s.H, qkv_width = (s.num_heads + 2 * s.num_kv_heads) * s.D;
-  std::vector<float> h(M * H), qkv(M * qkv_width), attn(M * s.num_heads * s.D), o(M * H);
-  std::vector<float> gate_up(M * 2 * s.I), gated(M * s.I), down(M * H);
+struct Step {
+  const StepInputs& s;
+  const Shape& shape;
   QuantizedActivations act;
-  const int64_t items = M * s.num_kv_heads;
-  const int num_threads = std::max(1, at::get_num_threads());
-  auto norm = [&](const float* x, float* res, const float* w, float* out) {
-    for (int64_t m = 0; m < M; ++m)
-      tokenmill_rows::norm_row(x + m * H, res == nullptr ? nullptr : res + m * H, w, out + m * H, H, s.eps);
-  };
-#pragma omp parallel num_threads(num_threads)
-  {
-    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    tokenmill_rows::AttentionScratch scratch;
-    for (size_t i = 0; i < layers.size(); ++i) {
-      const Layer& layer = layers[i];
-#pragma omp single
-      {
-        if (i == 0) {
-          norm(residual, nullptr, layer.input_norm, h.data());
-        } else {
-          norm(down.data(), residual, layer.input_norm, h.data());
-        }
-        layer.qkv.round(h.data(), M, act);
-      }
-      layer.qkv.multiply(act, M, thread, threads, qkv.data());
-      layer.o.prefetch_share(thread, threads);
-#pragma omp barrier
-      for (int64_t item = items * thread / threads; item < items * (thread + 1) / threads; ++item)
-        attention_item<C>(s, layer, qkv.data(), attn.data(), scratch, item / s.num_kv_heads, item % s.num_kv_heads);
-#pragma omp barrier
-#pragma omp single
-      layer.o.round(attn.data(), M, act);
-      layer.o.multiply(act, M, thread, threads, o.data());
-      layer.gate_up.prefetch_share(thread, threads);
-#pragma omp barrier
-#pragma omp single
-      {
-        norm(o.data(), residual, layer.post_norm, h.data());
-        layer.gate_up.round(h.data(), M, act);
-      }
-      layer.gate_up.multiply(act, M, thread, threads, gate_up.data());
-      layer.down.prefetch_share(thread, threads);
-#pragma omp barrier
-#pragma omp single
-      {
-        for (int64_t m = 0; m < M; ++m)
-          tokenmill_rows::silu_and_mul_row(gate_up.data() + m * 2 * s.I, gated.data() + m * s.I, s.I);
-        layer.down.round(gated.data(), M, act);
-      }
-      layer.down.multiply(act, M, thread, threads, down.data());
-      if (i + 1 < layers.size()) layers[i + 1].qkv.prefetch_share(thread, threads);
-#pragma omp barrier
-    }
+
+  using Scratch = tokenmill_rows::AttentionScratch;
+  Scratch scratch(int) const { return {}; }
+  void round(const Linear& w, const float* x, int64_t M) { w.round(x, M, act); }
+  void multiply(const Linear& w, int64_t M, int thread, int threads, Scratch&, float* out) const {
+    w.multiply(act, M, thread, threads, out);
   }
-  norm(down.data(), residual, final_norm, y);
-}
+
+  // Rotary, KV write and attention of sequence b's kv head kv (its group of query heads), as
+  // fused_decode_attention_rows (decode_attention_rows.cpp) does them for the whole step.
+  void attend(const Layer& layer, float* qkv, float* out, int64_t b, int64_t kv, Scratch& scratch) const {
+    const int64_t num_heads = shape.num_heads, groups = num_heads / shape.num_kv_heads, D = shape.D;
+    float* row = qkv + b * shape.qkv_width();
+    const float* cos = s.cos + s.positions[b] * D;
+    const float* sin = s.sin + s.positions[b] * D;
+    float* key = row + (num_heads + kv) * D;
+    tokenmill_rows::rotate_row(key, cos, sin, D);
+    for (int64_t h = kv * groups; h < (kv + 1) * groups; ++h) tokenmill_rows::rotate_row(row + h * D, cos, sin, D);
+    C* k_cache = static_cast<C*>(layer.k_cache);
+    C* v_cache = static_cast<C*>(layer.v_cache);
+    const int64_t slot = s.write_index[kv * s.M + b];
+    tokenmill_rows::store_row(key, k_cache + slot * D, D);
+    tokenmill_rows::store_row(row + (num_heads + shape.num_kv_heads + kv) * D, v_cache + slot * D, D);
+    const tokenmill_rows::AttentionItem item{groups, D, s.seq_lens[b], s.block_size, s.block_table + b * s.table_stride,
+                                             s.scale};
+    tokenmill_rows::attend_item(item, row + kv * groups * D, k_cache + kv * s.head_stride, v_cache + kv * s.head_stride,
+                                out + (b * num_heads + kv * groups) * D, scratch);
+  }
+};
 
 // The layers of one model, checked and laid out once; forward() runs a decode step through them.
 class DecodeLayersRows : public torch::CustomClassHolder {
  public:
   DecodeLayersRows(std::vector<at::Tensor> weights, std::vector<int64_t> linears, int64_t num_heads,
                    int64_t num_kv_heads, double scale, double eps, at::Tensor final_norm)
-      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads), scale_(static_cast<float>(scale)), eps_(eps) {
-    const int64_t num_layers = static_cast<int64_t>(weights_.size()) / kTensorsPerLayer;
-    TORCH_CHECK(num_layers > 0 && weights_.size() == static_cast<size_t>(num_layers * kTensorsPerLayer) &&
-                    linears.size() == static_cast<size_t>(num_layers * 4 * kIntsPerLinear),
-                "DecodeLayersRows: 16 tensors and 16 ints per layer");
-    const at::Tensor& k0 = weights_[kTensorsPerLayer - 2];
-    TORCH_CHECK(k0.dim() == 4 && k0.is_contiguous() &&
-                    (k0.scalar_type() == at::kFloat || k0.scalar_type() == at::kHalf || k0.scalar_type() == at::kBFloat16),
-                "DecodeLayersRows: caches must be contiguous float32, float16 or bfloat16 [kv_heads, blocks, block_size, D]");
-    TORCH_CHECK(k0.size(0) == num_kv_heads && num_heads % num_kv_heads == 0 &&
-                    num_heads / num_kv_heads <= tokenmill_rows::kMaxGroups,
-                "DecodeLayersRows: heads do not match the caches (or more than 8 query heads per kv head)");
-    TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.is_contiguous() && final_norm_.scalar_type() == at::kFloat,
-                "DecodeLayersRows: final_norm must be float32 [H]");
-    H_ = final_norm_.size(0), D_ = k0.size(3);
-    TORCH_CHECK(D_ % 2 == 0, "DecodeLayersRows: head_dim must be even (rotary)");
-    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * D_;
-    for (int64_t l = 0; l < num_layers; ++l) {
-      const at::Tensor* t = weights_.data() + l * kTensorsPerLayer;
-      const int64_t* ints = linears.data() + l * 4 * kIntsPerLinear;
-      for (int i : {0, 1})
-        TORCH_CHECK(t[i].dim() == 1 && t[i].size(0) == H_ && t[i].is_contiguous() && t[i].scalar_type() == at::kFloat,
-                    "DecodeLayersRows: norm weights must be float32 [H]");
-      for (int i : {14, 15})
-        TORCH_CHECK(t[i].sizes() == k0.sizes() && t[i].is_contiguous() && t[i].scalar_type() == k0.scalar_type(),
-                    "DecodeLayersRows: every cache must be like the first layer's");
-      Layer layer{t[0].data_ptr<float>(), t[1].data_ptr<float>(), linear_of(t + 2, ints, H_),
-                  linear_of(t + 5, ints + 4, num_heads * D_), linear_of(t + 8, ints + 8, H_), {},
-                  t[14].data_ptr(), t[15].data_ptr()};
-      I_ = layer.gate_up.N / 2;
-      layer.down = linear_of(t + 11, ints + 12, I_);
-      TORCH_CHECK(layer.qkv.N == qkv_width && layer.o.N == H_ && layer.down.N == H_ && layer.gate_up.N == 2 * I_,
-                  "DecodeLayersRows: projection shapes do not match the model's");
-      layers_.push_back(layer);
-    }
+      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), scale_(static_cast<float>(scale)), eps_(eps) {
+    TORCH_CHECK(weights_.size() >= kTensorsPerLayer, "DecodeLayersRows: 16 tensors and 16 ints per layer");
+    const at::ScalarType cache_dtype = weights_[kTensorsPerLayer - 2].scalar_type();
+    TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kHalf || cache_dtype == at::kBFloat16,
+                "DecodeLayersRows: caches must be float32, float16 or bfloat16");
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= tokenmill_rows::kMaxGroups,
+                "DecodeLayersRows: at most 8 query heads per kv head");
+    TORCH_CHECK(final_norm_.scalar_type() == at::kFloat, "DecodeLayersRows: final_norm must be float32 [H]");
+    shape_.num_heads = num_heads;
+    shape_.num_kv_heads = num_kv_heads;
+    layers_ = tokenmill_layers::layers_of<Linear>(weights_, linears, final_norm_, "DecodeLayersRows", linear_of, shape_);
+    TORCH_CHECK(shape_.D % 2 == 0, "DecodeLayersRows: head_dim must be even (rotary)");
   }
 
   // x [M, H] float32: the step's embeddings, the residual stream (changed in place); positions,
@@ -259,9 +174,11 @@ class DecodeLayersRows : public torch::CustomClassHolder {
   at::Tensor forward(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor write_index,
                      at::Tensor block_table, at::Tensor seq_lens) {
     const at::Tensor& k0 = weights_[kTensorsPerLayer - 2];
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= kStepRows && x.size(1) == H_ &&
-                    x.scalar_type() == at::kFloat, "DecodeLayersRows: x must be contiguous float32 [M <= 8, H]");
-    const int64_t M = x.size(0), kv_heads = num_kv_heads_, num_blocks = k0.size(1), block_size = k0.size(2);
+    const int64_t H = shape_.H, D = shape_.D;
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(0) <= tokenmill_layers::kMaxRows &&
+                    x.size(1) == H && x.scalar_type() == at::kFloat,
+                "DecodeLayersRows: x must be contiguous float32 [M <= 8, H]");
+    const int64_t M = x.size(0), kv_heads = shape_.num_kv_heads, num_blocks = k0.size(1), block_size = k0.size(2);
     for (const at::Tensor* t : {&positions, &seq_lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == M,
                   "DecodeLayersRows: positions and seq_lens must be int64 [M]");
@@ -269,7 +186,7 @@ class DecodeLayersRows : public torch::CustomClassHolder {
                     write_index.size(0) == kv_heads * M, "DecodeLayersRows: write_index must be int64 [kv_heads * M]");
     TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.size(0) == M &&
                     block_table.stride(1) == 1, "DecodeLayersRows: block_table must be int64 [M, max_blocks]");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D_ && cos.is_contiguous() &&
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() &&
                     sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.scalar_type() == at::kFloat,
                 "DecodeLayersRows: cos and sin must be contiguous float32 [max_positions, head_dim]");
     const int64_t* pos = positions.data_ptr<int64_t>();
@@ -289,25 +206,30 @@ class DecodeLayersRows : public torch::CustomClassHolder {
       TORCH_CHECK(index[i] >= 0 && index[i] < kv_heads * num_blocks * block_size, "DecodeLayersRows: row ", index[i],
                   " is past the cache");
     }
-    const StepInputs s{M, H_, I_, num_heads_, kv_heads, D_, block_size, num_blocks * block_size * D_,
-                       block_table.stride(0), pos, index, table, lens, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                       scale_, eps_};
-    at::Tensor y = at::empty({M, H_}, x.options());
-    float* residual = x.data_ptr<float>();
-    const float* final_norm = final_norm_.data_ptr<float>();
+    const StepInputs s{M, block_size, num_blocks * block_size * D, block_table.stride(0), pos, index, table, lens,
+                       cos.data_ptr<float>(), sin.data_ptr<float>(), scale_};
+    at::Tensor y = at::empty({M, H}, x.options());
     switch (k0.scalar_type()) {
-      case at::kHalf: run_layers<c10::Half>(s, layers_, final_norm, residual, y.data_ptr<float>()); break;
-      case at::kBFloat16: run_layers<c10::BFloat16>(s, layers_, final_norm, residual, y.data_ptr<float>()); break;
-      default: run_layers<float>(s, layers_, final_norm, residual, y.data_ptr<float>());
+      case at::kHalf: run<c10::Half>(s, x, y); break;
+      case at::kBFloat16: run<c10::BFloat16>(s, x, y); break;
+      default: run<float>(s, x, y);
     }
     return y;
   }
 
  private:
+  template <typename C>  // the caches' dtype
+  void run(const StepInputs& s, at::Tensor& x, at::Tensor& y) const {
+    Step<C> step{s, shape_, {}};
+    tokenmill_layers::run_layers<float, float>(step, layers_, shape_, s.M, eps_, final_norm_.data_ptr<float>(),
+                                               x.data_ptr<float>(), y.data_ptr<float>(),
+                                               std::max(1, at::get_num_threads()));
+  }
+
   std::vector<at::Tensor> weights_;  // what layers_ points into, kept alive
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
-  int64_t num_heads_, num_kv_heads_, H_ = 0, I_ = 0, D_ = 0;
+  Shape shape_{};
   float scale_;
   double eps_;
 };

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -45,7 +46,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   float total = horizontal_sum(acc);
-  for (; i < n; ++i) total += a[i] * b[i];
+  // fused by hand: whether the compiler fuses `total += a * b` depends on where it is inlined, and the
+  // few-row and batched loops must round alike
+  for (; i < n; ++i) total = std::fma(a[i], b[i], total);
   return total;
 }
 
