@@ -6,8 +6,9 @@
 
 Every server is driven by tokenmill's streaming client (tokenmill/bench) with the same token-id prompts
 (windows of benchmarks/data/mills.txt), greedy, ignore_eos, no prefix-cache hits between phases:
-  W1  three different 128-token prompts -> 128 tokens, one at a time (TTFT, decode tok/s), twice; all
-      servers are up and take turns prompt by prompt, so that each W1 figure is of the same minutes
+  W1  three different 128-token prompts -> 128 tokens, one at a time (TTFT, decode tok/s), twice (the
+      second time with another first token, so that no prompt hits a prefix cache); all servers are up
+      and take turns prompt by prompt, so that each W1 figure is of the same minutes
   W2  64 x 256 -> 128 all at once (total and output tok/s), one engine at a time
   W3  64 x 256 -> 128 at concurrency 16 (TTFT p99, ITL median), one engine at a time
 It also records peak RSS of each server's whole process tree and the seconds from launch to answering
@@ -167,10 +168,9 @@ def run_engines(names: list[str], args: argparse.Namespace, prompts: dict[str, l
             servers.append(Server(name, args, args.port + i))
             servers[-1].run(prompts["warmup"], 8, 4)
         w1: dict[str, list[dict]] = {s.name: [] for s in servers}
-        for _ in range(args.w1_rounds):
-            for prompt in prompts["w1"]:
-                for server in servers:
-                    w1[server.name].append(server.run([prompt], args.output_len, 1))
+        for prompt in prompts["w1"]:
+            for server in servers:
+                w1[server.name].append(server.run([prompt], args.output_len, 1))
         results = []
         for server in servers:
             w2 = server.run(prompts["w2"], args.output_len, len(prompts["w2"]))
@@ -245,7 +245,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--w1-rounds", type=int, default=2, help="times each engine decodes each W1 prompt")
+    parser.add_argument("--w1-rounds", type=int, default=2, help="times each engine decodes each W1 prompt (with another first token each time)")
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, a smoke run")
     parser.add_argument("--in-process-too", action="store_true",
                         help="also run tokenmill-1p: tokenmill serve --no-engine-process (one process)")
@@ -259,7 +259,8 @@ def main() -> None:
     if args.quick:
         args.output_len = 32
     long_prompts = build_prompts(tokenizer, num + 3, 256)
-    prompts = {"warmup": salted(long_prompts[:4], 11), "w1": [p[:128] for p in salted(long_prompts[-3:], 12)],
+    w1 = [p[:128] for r in range(args.w1_rounds) for p in salted(long_prompts[-3:], 20 + r)]
+    prompts = {"warmup": salted(long_prompts[:4], 11), "w1": w1,
                "w2": salted(long_prompts[:num], 13), "w3": salted(long_prompts[:num], 14)}
     engines = ["tokenmill"] + (["tokenmill-1p"] if args.in_process_too else [])
     if args.in_process_first:
