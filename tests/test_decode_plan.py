@@ -93,6 +93,20 @@ def _decode_steps(runner: ModelRunner, prompts: list[list[int]], num_steps: int)
                          [len(p) + step for p in prompts], tables, [True] * len(prompts)) for step in range(num_steps)]
 
 
+def _assert_fused_equals_the_loop(runner: ModelRunner, attribute: str, prompts: list[list[int]], num_steps: int,
+                                  monkeypatch) -> None:
+    """Each of num_steps decode steps after the prompts: the plan's fused layers (plan.<attribute>,
+    DecodeLayers or DecodeLayersRows) give the Python loop's hidden states bit for bit, and they
+    really ran, once a step."""
+    fused_calls = []
+    fused_call = FusedLayers.__call__
+    monkeypatch.setattr(FusedLayers, "__call__", lambda self, *a: fused_calls.append(1) or fused_call(self, *a))
+    for step, batch in enumerate(_decode_steps(runner, prompts, num_steps)):
+        with_fused, loop = _with_and_without(runner, batch, runner.decode_plan, attribute)
+        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
+    assert len(fused_calls) == num_steps
+
+
 @pytest.mark.skipif(not quant_gemv_q8_available(), reason="DecodeLayers runs the VNNI kernel (AVX-512 VNNI)")
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 @pytest.mark.parametrize("num_seqs", [1, 3, 8])  # 8: two passes of 4 activation rows over each block
@@ -102,16 +116,9 @@ def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seq
     runner = ModelRunner(load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), quantization=quantization,
                                     with_tokenizer=False).model,
                          num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.bfloat16)
-    plan = runner.decode_plan
-    assert plan is not None and plan.fused is not None
-    fused_calls = []
-    fused_call = FusedLayers.__call__
-    monkeypatch.setattr(FusedLayers, "__call__", lambda self, *a: fused_calls.append(1) or fused_call(self, *a))
+    assert runner.decode_plan is not None and runner.decode_plan.fused is not None
     prompts = [[(31 * i + j) % 900 + 1 for j in range(5 + 5 * i)] for i in range(num_seqs)]
-    for step, batch in enumerate(_decode_steps(runner, prompts, 8)):
-        with_fused, loop = _with_and_without(runner, batch, plan, "fused")
-        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
-    assert len(fused_calls) == 8
+    _assert_fused_equals_the_loop(runner, "fused", prompts, 8, monkeypatch)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -123,7 +130,7 @@ def test_layers_with_biases_or_qk_norms_keep_the_loop(tiny_model_dirs, arch):
 
 
 @pytest.mark.skipif(not quant_gemv_q8_available(), reason="DecodeLayers runs the VNNI kernel (AVX-512 VNNI)")
-def test_fused_layers_with_mixed_layouts(tiny_llama_dir):
+def test_fused_layers_with_mixed_layouts(tiny_llama_dir, monkeypatch):
     """Projections of different bits, group sizes and activation bits in one model (as Q4_K_M
     files mix them): still the Python loop's result bit for bit."""
     model = load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), quantization="int4",
@@ -135,9 +142,7 @@ def test_fused_layers_with_mixed_layouts(tiny_llama_dir):
     runner = ModelRunner(model, num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.bfloat16)
     assert runner.decode_plan.fused is not None
     prompts = [[(17 * i + j) % 700 + 1 for j in range(9 + 7 * i)] for i in range(5)]
-    for step, batch in enumerate(_decode_steps(runner, prompts, 4)):
-        with_fused, loop = _with_and_without(runner, batch, runner.decode_plan, "fused")
-        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
+    _assert_fused_equals_the_loop(runner, "fused", prompts, 4, monkeypatch)
 
 
 @pytest.mark.skipif(not decode_attention_rows_available(), reason="the AVX2 build's op")
@@ -176,18 +181,12 @@ def test_fused_row_layers_equal_the_plans_loop(tiny_llama_dir, quantization, kv_
     runner = _float32_runner(tiny_llama_dir, quantization, kv_cache_dtype)
     plan = runner.decode_plan
     assert plan is not None and plan.fused_rows is not None and plan.fused is None
-    fused_calls = []
-    fused_call = FusedLayers.__call__
-    monkeypatch.setattr(FusedLayers, "__call__", lambda self, *a: fused_calls.append(1) or fused_call(self, *a))
     prompts = [[(31 * i + j) % 900 + 1 for j in range(5 + 5 * i)] for i in range(num_seqs)]
-    for step, batch in enumerate(_decode_steps(runner, prompts, 8)):
-        with_fused, loop = _with_and_without(runner, batch, plan, "fused_rows")
-        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
-    assert len(fused_calls) == 8
+    _assert_fused_equals_the_loop(runner, "fused_rows", prompts, 8, monkeypatch)
 
 
 @pytest.mark.skipif(not decode_attention_rows_available(), reason="DecodeLayersRows is the AVX2 build's")
-def test_fused_row_layers_with_mixed_layouts(tiny_llama_dir):
+def test_fused_row_layers_with_mixed_layouts(tiny_llama_dir, monkeypatch):
     """Projections of different bits, group sizes and activation bits in one float32 model (as
     Q4_K_M files mix them): still the Python loop's result bit for bit; a projection with a bias
     keeps the loop."""
@@ -200,8 +199,6 @@ def test_fused_row_layers_with_mixed_layouts(tiny_llama_dir):
     runner = ModelRunner(model, num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.float32)
     assert runner.decode_plan.fused_rows is not None
     prompts = [[(17 * i + j) % 700 + 1 for j in range(9 + 7 * i)] for i in range(5)]
-    for step, batch in enumerate(_decode_steps(runner, prompts, 4)):
-        with_fused, loop = _with_and_without(runner, batch, runner.decode_plan, "fused_rows")
-        assert torch.equal(with_fused, loop), f"step {step}: max diff {(with_fused - loop).abs().max()}"
+    _assert_fused_equals_the_loop(runner, "fused_rows", prompts, 4, monkeypatch)
     model.layers[1].mlp.down_proj.bias = torch.zeros(model.layers[1].mlp.down_proj.out_features)
     assert DecodePlan(model, runner.kv_caches).fused_rows is None
