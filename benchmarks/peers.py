@@ -245,7 +245,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--w1-rounds", type=int, default=2, help="times each engine decodes each W1 prompt (with another first token each time)")
+    parser.add_argument("--w1-rounds", type=int, default=2,
+                        help="times each engine decodes each W1 prompt (with another first token each time)")
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, a smoke run")
     parser.add_argument("--in-process-too", action="store_true",
                         help="also run tokenmill-1p: tokenmill serve --no-engine-process (one process)")
