@@ -54,7 +54,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // ---- activations rounded per group ----------------------------------------------------------
 
-// x rounded per row and group: q1 (and q2) int8 [M, K], their scale per group, and exact group sums.
+// x rounded per row and group: q1 (and q2) int8 [M, K], their scale per group, and group sums.
 struct QuantizedActivations {
   std::vector<int8_t> q1, q2;
   std::vector<float> scale, sums;  // [M, groups]
@@ -73,7 +73,10 @@ inline float horizontal_max(__m256 v) {
 }
 
 // One group of G (a multiple of 32) values of x: q1 = round(x / s) with s = max|x| / 127 and, with
-// two_parts, q2 = round((x - q1 s) * 256 / s) clamped to [-127, 127].
+// two_parts, q2 = round((x - q1 s) * 256 / s) clamped to [-127, 127]. The group's sum, which the
+// weight's offsets meet, is x's own with two parts (~exact anyway) and the rounded values' (s sum q1)
+// with one, as in quant_gemv_q8.h: the product is then that of the rounded row with the whole
+// weight s u + o, so the rounding error meets the centred weight, not s u alone.
 inline void quantize_group(const float* xg, int64_t G, bool two_parts, int8_t* q1, int8_t* q2, float& scale_out,
                            float& sum_out) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -88,11 +91,13 @@ inline void quantize_group(const float* xg, int64_t G, bool two_parts, int8_t* q
   const __m256 inv = _mm256_set1_ps(inverse), step = _mm256_set1_ps(scale), fine = _mm256_set1_ps(inverse * 256.0f);
   const __m256 low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m256 rounded_sum8 = _mm256_setzero_ps();  // integers: exact in any order
   for (int64_t k = 0; k < G; k += 32) {
     __m256i whole[4], rest[4];
     for (int j = 0; j < 4; ++j) {
       const __m256 v = _mm256_loadu_ps(xg + k + 8 * j);
       const __m256 q = _mm256_round_ps(_mm256_mul_ps(v, inv), kNearest);
+      rounded_sum8 = _mm256_add_ps(rounded_sum8, q);
       whole[j] = _mm256_cvtps_epi32(q);
       if (two_parts) {  // the remainder, |r| <= s / 2, in steps of s / 256
         const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_fnmadd_ps(q, step, v), fine), kNearest);
@@ -103,7 +108,7 @@ inline void quantize_group(const float* xg, int64_t G, bool two_parts, int8_t* q
     if (two_parts) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2 + k), pack32(rest[0], rest[1], rest[2], rest[3]));
   }
   scale_out = two_parts ? scale / 256.0f : scale;
-  sum_out = horizontal_sum(sum8);
+  sum_out = two_parts ? horizontal_sum(sum8) : scale * horizontal_sum(rounded_sum8);
 }
 
 // Groups [begin, end) of x [M, K] (group i: row i / groups) rounded into a, sized for them.
