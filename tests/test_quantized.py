@@ -233,6 +233,22 @@ def test_i8_kernel_batches_are_each_row_alone(bits, group, cols, rows, two_parts
 
 
 @needs_i8_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_i8_kernel_with_one_part_is_the_rounded_rows_product(bits, rows):
+    """With one 8-bit part the whole weight s u + o meets the rounded row (its offsets the rounded
+    group sums): the product is that of the rounded x, to float32 summation, not x's own."""
+    q = random_weight(40, 256, bits, 32, seed=bits + rows)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    groups = x.view(rows, 8, 32)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    rounded = (torch.round(groups * (127.0 / amax)) * (amax / 127.0)).view(rows, 256)  # float32, as the kernel
+    want = rounded.double() @ reference_weight(q).T
+    got = torch.ops.tokenmill.quant_gemv_i8(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, False)
+    assert (got.double() - want).abs().max() <= 1e-5 * (x.double().abs() @ reference_weight(q).abs().T).max()
+
+
+@needs_i8_kernel
 def test_i8_kernel_refuses_groups_of_16():
     q = random_weight(32, 64, 8, 16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
