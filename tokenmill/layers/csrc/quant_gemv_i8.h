@@ -97,11 +97,12 @@ inline void quantize_group(const float* xg, int64_t G, bool two_parts, int8_t* q
     for (int j = 0; j < 4; ++j) {
       const __m256 v = _mm256_loadu_ps(xg + k + 8 * j);
       const __m256 q = _mm256_round_ps(_mm256_mul_ps(v, inv), kNearest);
-      rounded_sum8 = _mm256_add_ps(rounded_sum8, q);
       whole[j] = _mm256_cvtps_epi32(q);
       if (two_parts) {  // the remainder, |r| <= s / 2, in steps of s / 256
         const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_fnmadd_ps(q, step, v), fine), kNearest);
         rest[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, low), high));
+      } else {
+        rounded_sum8 = _mm256_add_ps(rounded_sum8, q);
       }
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1 + k), pack32(whole[0], whole[1], whole[2], whole[3]));
