@@ -218,3 +218,25 @@ def test_chunks_after_cached_tokens_take_the_paged_kernel_and_agree_with_sdpa(mo
     assert (with_kernel[:30].double() - want).abs().max() <= 2**-7 * v[:70].abs().max()
     torch.testing.assert_close(with_kernel, with_sdpa, rtol=2**-7, atol=2**-7 * float(v.abs().max()))
     assert not torch.equal(with_kernel[:30], with_sdpa[:30])
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 128), (4, 4, 32)])
+def test_each_row_is_the_decode_kernels_row_bit_for_bit(heads, kv_heads, head_dim):
+    """A prompt's row computed in a chunk (fresh or after cached tokens) is the row paged_decode
+    computes for that position: a prompt's last token taken alone (a 1-token chunk goes through the
+    decode path) or recomputed after preemption then gives the same bits as in one whole prefill."""
+    tokens, block_size, scale = 75, 16, head_dim**-0.5
+    q, k, v = fused_qkv(tokens, heads, kv_heads, head_dim, seed=head_dim + 5)
+    k_cache, v_cache, table = paged_cache(k, v, [(0, tokens)], block_size, seed=3)
+    fresh = run_kernel(q, k, v, [(0, tokens)], scale)
+    paged = torch.zeros(tokens, heads * head_dim, dtype=torch.bfloat16)
+    context = 23  # rows 23.. as a chunk after 23 cached tokens
+    torch.ops.tokenmill.paged_prefill_attention_(paged, q, k_cache, v_cache, table, torch.tensor([context]),
+                                                 torch.tensor([context]), torch.tensor([tokens - context]), scale)
+    decoded = torch.cat([
+        torch.ops.tokenmill.paged_decode(q[t : t + 1].contiguous(), k_cache, v_cache, table,
+                                         torch.tensor([t + 1]), scale, tokens).view(1, -1)
+        for t in range(tokens)])
+    assert torch.equal(fresh, decoded)
+    assert torch.equal(paged[context:], decoded[context:])

@@ -20,8 +20,11 @@
 // (zero past the chunk). Then each task takes kRows consecutive queries of one head: their
 // scores against keys 0 .. last query (scores = vdpbf16ps over column pairs, float32, times
 // scale), an exact softmax per row in float32 (max subtracted, masked past the row's own
-// position), the probabilities rounded to bf16 in pairs of keys, and out = P V / sum over pairs of
+// position), the probabilities rounded to bf16 in pairs of keys, and out = P V over pairs of
 // keys, 64 columns of kRows rows in registers at a time; the output rounded once to bf16.
+// Every step of a row is done in the order paged_decode.h does it for one decode query, so a
+// prompt's row is the same bits whichever kernel computes it (a last chunk of one token goes
+// through the decode path; preemption recomputes decoded tokens as a prompt).
 // torch's flash SDPA for CPU ran these shapes (256 keys, 9 heads of 64) at ~45 GFLOP/s on the
 // 2-core AMD EPYC here.
 #include <ATen/Parallel.h>
@@ -83,44 +86,56 @@ inline __m512i pair_of(const uint16_t* p) {
 }
 
 // Scores of R queries (rows q + r * q_stride) against key blocks [0, blocks): S [R][blocks * 16].
+// Even and odd column pairs go into two chains added at the end, then times scale: the order
+// paged_decode.h's scores16 and qk_item use, so that a row here is bit for bit a decode step's.
 template <int R>
 void scores(const uint16_t* q, int64_t q_stride, const uint16_t* keys, int64_t blocks, int64_t D, float scale,
             float* S, int64_t s_stride) {
   const __m512 scaled = _mm512_set1_ps(scale);
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
+    __m512 acc[R][2][2];  // [query][key block][even / odd pairs]
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
+    const uint16_t* k0 = keys + b * kKeyBlock * D;
+    const uint16_t* k1 = k0 + kKeyBlock * D;
+    for (int64_t p = 0; p < D / 2; p += 2) {
+      __m512i w[2][2];
+      for (int e = 0; e < 2; ++e) {
+        w[0][e] = _mm512_loadu_si512(k0 + (p + e) * 2 * kKeyBlock);
+        w[1][e] = _mm512_loadu_si512(k1 + (p + e) * 2 * kKeyBlock);
+      }
+      for (int r = 0; r < R; ++r)
+        for (int e = 0; e < 2; ++e) {
+          const __m512i x = pair_of(q + r * q_stride + 2 * (p + e));
+          acc[r][0][e] = _mm512_dpbf16_ps(acc[r][0][e], as_bh(w[0][e]), as_bh(x));
+          acc[r][1][e] = _mm512_dpbf16_ps(acc[r][1][e], as_bh(w[1][e]), as_bh(x));
+        }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < 2; ++i)
+        _mm512_storeu_ps(S + r * s_stride + (b + i) * kKeyBlock,
+                         _mm512_mul_ps(_mm512_add_ps(acc[r][i][0], acc[r][i][1]), scaled));
+  }
+  if (b < blocks) {
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const uint16_t* k0 = keys + b * kKeyBlock * D;
-    const uint16_t* k1 = k0 + kKeyBlock * D;
-    for (int64_t p = 0; p < D / 2; ++p) {
-      const __m512i w0 = _mm512_loadu_si512(k0 + p * 2 * kKeyBlock), w1 = _mm512_loadu_si512(k1 + p * 2 * kKeyBlock);
-      for (int r = 0; r < R; ++r) {
-        const __m512i x = pair_of(q + r * q_stride + 2 * p);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], as_bh(w0), as_bh(x));
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], as_bh(w1), as_bh(x));
+    for (int64_t p = 0; p < D / 2; p += 2)
+      for (int e = 0; e < 2; ++e) {
+        const __m512i w0 = _mm512_loadu_si512(k0 + (p + e) * 2 * kKeyBlock);
+        for (int r = 0; r < R; ++r)
+          acc[r][e] = _mm512_dpbf16_ps(acc[r][e], as_bh(w0), as_bh(pair_of(q + r * q_stride + 2 * (p + e))));
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(S + r * s_stride + b * kKeyBlock, _mm512_mul_ps(acc[r][0], scaled));
-      _mm512_storeu_ps(S + r * s_stride + (b + 1) * kKeyBlock, _mm512_mul_ps(acc[r][1], scaled));
-    }
-  }
-  if (b < blocks) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const uint16_t* k0 = keys + b * kKeyBlock * D;
-    for (int64_t p = 0; p < D / 2; ++p) {
-      const __m512i w0 = _mm512_loadu_si512(k0 + p * 2 * kKeyBlock);
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], as_bh(w0), as_bh(pair_of(q + r * q_stride + 2 * p)));
-    }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(S + r * s_stride + b * kKeyBlock, _mm512_mul_ps(acc[r], scaled));
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(S + r * s_stride + b * kKeyBlock, _mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scaled));
   }
 }
 
-// Row r's scores over keys [0, n) -> bf16 probabilities (unnormalized: exp(s - max)) over
-// [0, n_pad), zero past n; returns their float32 sum.
-inline float softmax_row(const float* s, int64_t n, int64_t n_pad, uint16_t* p) {
+// Row r's scores over keys [0, n) -> its bf16 probabilities over [0, n_pad), zero past n: as
+// paged_decode.h's softmax_row and pv_rows_bf16 make them (the same sum of exp(s - max) in the
+// same order, normalized in float32, then rounded), so that a row here is bit for bit a decode step's.
+inline void softmax_row(float* s, int64_t n, int64_t n_pad, uint16_t* p) {
   using tokenmill_vec::first;
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; j += 16) top = _mm512_mask_max_ps(top, first(n - j), top, _mm512_loadu_ps(s + j));
@@ -130,15 +145,18 @@ inline float softmax_row(const float* s, int64_t n, int64_t n_pad, uint16_t* p) 
     const __mmask16 keep = j < n ? first(n - j) : __mmask16(0);
     const __m512 e = _mm512_maskz_mov_ps(keep, tokenmill_vec::exp(_mm512_sub_ps(_mm512_loadu_ps(s + j), max)));
     sum = _mm512_add_ps(sum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+    _mm512_storeu_ps(s + j, e);
   }
-  return _mm512_reduce_add_ps(sum);
+  const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < n_pad; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + j), inverse)));
 }
 
-// out rows (stride out_stride, columns [0, D)) = P [R][pairs * 2] V / sums.
+// out rows (stride out_stride, columns [0, D)) = P [R][pairs * 2] V.
 template <int R>
 void weighted_values(const uint16_t* P, int64_t p_stride, const uint16_t* values, int64_t pairs, int64_t D,
-                     const float* inverse_sums, c10::BFloat16* out, int64_t out_stride) {
+                     c10::BFloat16* out, int64_t out_stride) {
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int64_t width = std::min<int64_t>(64, D - d0), vectors = width / 16;
     __m512 acc[R][4];
@@ -153,12 +171,10 @@ void weighted_values(const uint16_t* P, int64_t p_stride, const uint16_t* values
         for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], as_bh(w[i]), as_bh(x));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 inv = _mm512_set1_ps(inverse_sums[r]);
+    for (int r = 0; r < R; ++r)
       for (int i = 0; i < vectors; ++i)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + d0 + 16 * i),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][i], inv)));
-    }
+                            (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
   }
 }
 
@@ -169,10 +185,8 @@ void attend(const uint16_t* q, int64_t q_stride, const uint16_t* keys, const uin
   const int64_t n = t0 + R;  // keys the last query sees
   const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock, n_pad = (n + 1) / 2 * 2;
   scores<R>(q, q_stride, keys, blocks, D, scale, S, stride);
-  float inverse_sums[R];
-  for (int r = 0; r < R; ++r)
-    inverse_sums[r] = 1.0f / softmax_row(S + r * stride, t0 + r + 1, blocks * kKeyBlock, P + r * stride);
-  weighted_values<R>(P, stride, values, n_pad / 2, D, inverse_sums, out, out_stride);
+  for (int r = 0; r < R; ++r) softmax_row(S + r * stride, t0 + r + 1, blocks * kKeyBlock, P + r * stride);
+  weighted_values<R>(P, stride, values, n_pad / 2, D, out, out_stride);
 }
 
 // pack_chunk(chunk, kv head, keys, values): pack() one (chunk, kv head)'s keys 0 .. c.keys() - 1.
