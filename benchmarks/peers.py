@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -93,7 +94,8 @@ def wait_ready(port: int, process: subprocess.Popen, log: Path, timeout: float =
 def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if name in ("tokenmill", "tokenmill-1p"):
-        command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--log-level", "warning",
+                   *shlex.split(args.tokenmill_args)]
         if name == "tokenmill-1p":  # the engine on the server process's main thread (before issue 15)
             command.append("--no-engine-process")
         from tokenmill.hardware import cached_cpu_peaks
@@ -173,15 +175,18 @@ def run_engines(names: list[str], args: argparse.Namespace, prompts: dict[str, l
                 w1[server.name].append(server.run([prompt], args.output_len, 1))
         results = []
         for server in servers:
-            w2 = server.run(prompts["w2"], args.output_len, len(prompts["w2"]))
-            w3 = server.run(prompts["w3"], args.output_len, args.concurrency)
-            results.append({
+            result = {
                 "engine": server.name, "ready_s": server.ready_s, "peak_rss_mb": server.sampler.peak,
                 "w1_ttft_ms": statistics.median(r["ttft_ms"]["median"] for r in w1[server.name]),
                 "w1_decode_tps": statistics.median(r["decode_tps_median"] for r in w1[server.name]),
-                "w2_total_tps": w2["total_token_throughput"], "w2_output_tps": w2["output_throughput"],
-                "w3_ttft_p99_ms": w3["ttft_ms"]["p99"], "w3_itl_median_ms": w3["itl_ms"]["median"],
-            })
+                "w2_total_tps": None, "w2_output_tps": None, "w3_ttft_p99_ms": None, "w3_itl_median_ms": None,
+            }
+            if not args.w1_only:
+                w2 = server.run(prompts["w2"], args.output_len, len(prompts["w2"]))
+                w3 = server.run(prompts["w3"], args.output_len, args.concurrency)
+                result.update(w2_total_tps=w2["total_token_throughput"], w2_output_tps=w2["output_throughput"],
+                              w3_ttft_p99_ms=w3["ttft_ms"]["p99"], w3_itl_median_ms=w3["itl_ms"]["median"])
+            results.append(result)
         return results
     finally:
         for server in servers:
@@ -223,13 +228,16 @@ def roofline(result: dict) -> dict:
     lookup_only = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
     peaks = cached_cpu_peaks() or measure_cpu_peaks()
     bytes_per_s = tensor_bytes * result["w1_decode_tps"]
-    flops = 2 * (params - lookup_only) * result["w2_total_tps"]
-    out = {"w1_weight_bytes_per_token_mb": tensor_bytes / 1e6, "w1_achieved_gbs": bytes_per_s / 1e9,
-           "w2_achieved_tflops": flops / 1e12}
+    out = {"w1_weight_bytes_per_token_mb": tensor_bytes / 1e6, "w1_achieved_gbs": bytes_per_s / 1e9}
     if peaks is not None:
         out.update(bandwidth_gbs=peaks.bandwidth_gbs, bf16_tflops=peaks.bf16_tflops,
-                   w1_fraction_of_bandwidth=bytes_per_s / 1e9 / peaks.bandwidth_gbs,
-                   w2_fraction_of_matmul_peak=flops / 1e12 / peaks.bf16_tflops)
+                   w1_fraction_of_bandwidth=bytes_per_s / 1e9 / peaks.bandwidth_gbs)
+    if result["w2_total_tps"] is None:  # --w1-only
+        return out
+    flops = 2 * (params - lookup_only) * result["w2_total_tps"]
+    out["w2_achieved_tflops"] = flops / 1e12
+    if peaks is not None:
+        out["w2_fraction_of_matmul_peak"] = flops / 1e12 / peaks.bf16_tflops
     if rounds_rows_to_8_bits(torch.device("cpu"), torch.bfloat16):
         out["int8_tops"] = int8_matmul_tops()
         out["w2_fraction_of_int8_peak"] = flops / 1e12 / out["int8_tops"]
@@ -248,6 +256,11 @@ def main() -> None:
     parser.add_argument("--w1-rounds", type=int, default=2,
                         help="times each engine decodes each W1 prompt (with another first token each time)")
     parser.add_argument("--quick", action="store_true", help="16 prompts x 32 tokens, a smoke run")
+    parser.add_argument("--w1-only", action="store_true", help="W1 only (no W2, W3)")
+    parser.add_argument("--tokenmill-args", default="",
+                        help='more arguments for tokenmill serve, e.g. "--dtype float32"; run the script with '
+                             "ATEN_CPU_CAPABILITY=avx2 and a llama-server built for AVX2 only to compare as on an "
+                             "AVX2 CPU")
     parser.add_argument("--in-process-too", action="store_true",
                         help="also run tokenmill-1p: tokenmill serve --no-engine-process (one process)")
     parser.add_argument("--in-process-first", action="store_true", help="with --in-process-too: run it first")
@@ -280,19 +293,22 @@ def main() -> None:
                ("w3_itl_median_ms", "W3 ITL ms", ".1f")]
     print(f"\n{'engine':<11}" + "".join(f"{title:>13}" for _, title, _ in columns))
     for r in results:
-        print(f"{r['engine']:<11}" + "".join(f"{r[key]:>13{fmt}}" for key, _, fmt in columns))
+        print(f"{r['engine']:<11}" + "".join(f"{r[key]:>13{fmt}}" if r[key] is not None else f"{'-':>13}"
+                                             for key, _, fmt in columns))
     ours = next((r for r in results if r["engine"] == "tokenmill"), None)
     ratios = {}
     if ours is not None:
         for peer in (r for r in results if r is not ours):
             for key, _, _ in columns:
-                ratios[f"{key}_tokenmill_over_{peer['engine']}"] = ours[key] / peer[key] if peer[key] else None
+                ratios[f"{key}_tokenmill_over_{peer['engine']}"] = ours[key] / peer[key] if peer[key] and ours[key] \
+                    else None
         line = roofline(ours)
         print(f"\ntokenmill W1: {line['w1_weight_bytes_per_token_mb']:.0f} MB of weights per token, "
               f"{line['w1_achieved_gbs']:.1f} GB/s" + (f" of {line['bandwidth_gbs']:.1f} measured" if "bandwidth_gbs" in line
                                                       else "")
-              + f"; W2: {line['w2_achieved_tflops']:.3f} TFLOP/s"
-              + (f" of {line['bf16_tflops']:.2f} bf16 peak" if "bf16_tflops" in line else "")
+              + (f"; W2: {line['w2_achieved_tflops']:.3f} TFLOP/s" if "w2_achieved_tflops" in line else "")
+              + (f" of {line['bf16_tflops']:.2f} bf16 peak" if "w2_achieved_tflops" in line and "bf16_tflops" in line
+                 else "")
               + (f" and {line['int8_tops']:.2f} int8 (batches multiply 8-bit activations)" if "int8_tops" in line else ""))
         ratios["tokenmill_roofline"] = line
     print(json.dumps({"benchmark": "peers", "results": results, "ratios": ratios}))
