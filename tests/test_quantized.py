@@ -579,8 +579,8 @@ def test_tiny_gguf_keeps_every_type_quantized_and_matches_its_dequantized_self(t
 @pytest.mark.skipif(not quant_gemm_available(), reason="batches read the codes only where quant_gemm runs")
 def test_bf16_gguf_batches_read_the_codes_and_match_the_packed_copy(tmp_path, monkeypatch):
     """bf16 on a CPU where quant_gemm runs: the quantized linears keep no bf16 copy, and prompts
-    (past 8 rows: quant_gemm) give the tokens and, within bf16 noise, the logits of the same
-    model whose linears multiply batches with a oneDNN-packed copy."""
+    (past 8 rows: quant_gemm) give, within bf16 noise, the logits of the same model whose linears
+    multiply batches with a oneDNN-packed copy, along the same tokens."""
     from test_gguf import write_tiny_gguf
 
     from tokenmill.models.loader import load_model
@@ -598,10 +598,15 @@ def test_bf16_gguf_batches_read_the_codes_and_match_the_packed_copy(tmp_path, mo
     prompt = [5, 17, 123, 42, 7, 250, 3, 99, 11, 64, 8, 200]
     monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: True)
     tokens, logits = _greedy(reading, prompt, 8)
-    want_tokens, want_logits = _greedy(packed, prompt, 8)
-    assert tokens == want_tokens
-    for a, b in zip(logits, want_logits):
-        assert (a - b).abs().max().item() <= 0.05 * b.abs().max().item()
+    # the packed copy along the same tokens (a random tiny model in bf16 has near-ties, which either
+    # path may break its own way): each token is its best or within the bound of it
+    from test_models import _our_logits
+
+    want_logits = list(_our_logits(packed, [prompt + tokens])[0][len(prompt) - 1 : -1])
+    for token, a, b in zip(tokens, logits, want_logits):
+        bound = 0.05 * b.abs().max().item()
+        assert (a - b).abs().max().item() <= bound
+        assert b[token].item() >= b.max().item() - bound
     assert not all(torch.equal(a, b) for a, b in zip(logits, want_logits))  # two different paths ran
 
 
