@@ -104,3 +104,86 @@ def test_the_kernels_decode_bucket_leaves_out_the_pytorch_paths_tensors(monkeypa
         bucket = TorchPagedAttention().build_metadata([1, 1], [20, 3], [[2, 5], [0]], geometry).decode
         assert bucket.block_table.tolist() == [[2, 5], [0, 0]] and bucket.seq_lens.tolist() == [21, 4]
         assert (bucket.gather_index is None) == use_kernel and (bucket.value_index is None) == use_kernel
+
+
+def _run_steps(steps, tables, dtype, use_kernel, monkeypatch, seed=0, kv_heads=2, groups=3, head_dim=64,
+               cache_dtype=None):
+    """Runs steps [(query_lens, context_lens)] over fresh caches; returns each step's output and
+    the per-token q, k, v it was given (drawn per sequence and position, so that however a prompt
+    is cut, its token at position p sees the same q, k, v)."""
+    monkeypatch.setattr(attention, "_rows_kernel_available", lambda: use_kernel)
+    block_size, num_blocks = 16, 12
+    geometry = CacheGeometry(block_size, num_blocks, kv_heads, groups, head_dim, dtype, torch.device("cpu"))
+    backend = TorchPagedAttention()
+    caches = [torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=cache_dtype or dtype) for _ in range(2)]
+    gen = torch.Generator().manual_seed(seed)
+    width = (kv_heads * groups + 2 * kv_heads) * head_dim
+    drawn = torch.randn(len(tables), 64, width, generator=gen).to(dtype)  # [sequence, position, q|k|v]
+    outs = []
+    for query_lens, context_lens in steps:
+        rows = torch.cat([drawn[s, c : c + n] for s, (n, c) in enumerate(zip(query_lens, context_lens)) if n])
+        q = rows[:, : kv_heads * groups * head_dim].view(-1, kv_heads * groups, head_dim)
+        k = rows[:, kv_heads * groups * head_dim : (kv_heads * groups + kv_heads) * head_dim].view(-1, kv_heads, head_dim)
+        v = rows[:, (kv_heads * groups + kv_heads) * head_dim :].view(-1, kv_heads, head_dim)
+        live = [i for i, n in enumerate(query_lens) if n]
+        metadata = backend.build_metadata([query_lens[i] for i in live], [context_lens[i] for i in live],
+                                          [tables[i] for i in live], geometry)
+        if use_kernel:
+            assert (metadata.prefill is None) == (max(query_lens) == 1)
+        outs.append(backend.forward(q, k, v, *caches, metadata, head_dim**-0.5))
+    return outs
+
+
+# three sequences: a 40-token prompt, a 16-token one after a 9-token step, and a decode
+TABLES = [[3, 7, 1], [0, 11], [5, 2]]
+MIXED = [([9, 9, 9], [0, 0, 0]), ([31, 16, 1], [9, 9, 9]), ([1, 1, 1], [40, 25, 10])]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.float32, torch.float16)])
+def test_steps_with_prompts_equal_the_pytorch_path(dtype, cache_dtype, monkeypatch):
+    """Fresh prompts, chunks after cached tokens and decodes in one step: the kernel's per-token
+    queries give what the PyTorch path's SDPA and decode buckets give."""
+    got = _run_steps(MIXED, TABLES, dtype, True, monkeypatch, cache_dtype=cache_dtype)
+    want = _run_steps(MIXED, TABLES, dtype, False, monkeypatch, cache_dtype=cache_dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_rows_are_the_same_bits_however_it_is_cut(dtype, monkeypatch):
+    """Each row of a prompt equals, bit for bit, that token's row when the prompt comes whole,
+    in chunks (a step with other sequences' work in it) or one token at a time (decode steps)."""
+    whole = _run_steps([([40, 25, 10], [0, 0, 0])], TABLES, dtype, True, monkeypatch)[0]
+    cut = _run_steps(MIXED[:2], TABLES, dtype, True, monkeypatch)
+    one_at_a_time = _run_steps([([1, 1, 1], [p, p, p]) for p in range(10)], TABLES, dtype, True, monkeypatch)
+    # rows of `whole` by (sequence, position)
+    starts = [0, 40, 65]
+    assert torch.equal(torch.cat([cut[0][0:9], cut[1][0:31]]), whole[0:40])
+    assert torch.equal(torch.cat([cut[0][9:18], cut[1][31:47]]), whole[40:65])
+    assert torch.equal(torch.cat([cut[0][18:27], cut[1][47:48]]), whole[65:75])
+    for p, step in enumerate(one_at_a_time):
+        for s in range(3):
+            assert torch.equal(step[s], whole[starts[s] + p]), (p, s)
+
+
+def test_work_split_over_threads_leaves_no_query_out():
+    """A long prompt's queries over two threads (runs of equal work, not of equal counts): every
+    row computed, each the same as computed alone."""
+    gen = torch.Generator().manual_seed(1)
+    L, kv_heads, groups, D = 300, 2, 3, 64
+    cache = torch.randn(kv_heads, 19, 16, D, generator=gen)
+    q = torch.randn(L, kv_heads * groups, D, generator=gen)
+    table = torch.arange(19).expand(L, -1)
+    lens = torch.arange(1, L + 1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = torch.ops.tokenmill.decode_attention_rows(q, cache, cache, table, lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    for t in (0, 1, 149, 150, 211, 299):
+        alone = torch.ops.tokenmill.decode_attention_rows(q[t : t + 1], cache, cache, table[:1], lens[t : t + 1], 0.125)
+        assert torch.equal(together[t], alone[0]), t
+    assert torch.isfinite(together).all()

@@ -12,6 +12,8 @@ out as [kv_heads * batch, context, head_dim], ready for batched matmuls without 
 
 A backend builds the step's metadata once (what its own kernels read, nothing more) and runs
 `forward` for every layer with it; faster kernels can replace parts of `TorchPagedAttention`.
+On CPUs with the AVX2 build, `TorchPagedAttention` runs a whole step in one op instead
+(csrc/decode_attention_rows.cpp): each new token a query of its own (TokenQueries).
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ class DecodeBucket:
 
 
 @dataclass
+class TokenQueries:
+    """A step with prompt chunks on the PyTorch backend's CPU op (decode_attention_rows, the AVX2
+    build): every new token a query of its own over the first seq_lens[t] cache rows of its sequence
+    (block_table[t]), written before. Each prompt row is then the row a decode step computes, bit for
+    bit, whether the prompt came whole, in chunks, after a prefix-cache hit or recomputed after
+    preemption; and no query is padded to the longest chunk or context."""
+
+    block_table: torch.Tensor  # [T, max_blocks] int64: each token's sequence's blocks
+    seq_lens: torch.Tensor  # [T] int64: each token's position + 1
+
+
+@dataclass
 class AttentionMetadata:
     """What every attention layer of one step reads; built once per step by the backend."""
 
@@ -77,6 +91,7 @@ class AttentionMetadata:
     num_tokens: int  # T
     decode: object | None  # the backend's decode bucket (sequences with one new token), if any
     prefill: object | None  # the backend's bucket of sequences with several new tokens after cached ones, if any
+    # (TokenQueries: every token of the step, decodes too)
     # sequences with several new tokens and nothing cached: (first flat token, number of tokens) of
     # each; they attend to the step's own keys and values, without the cache or any padding
     fresh_prefills: list[tuple[int, int]]
@@ -164,6 +179,13 @@ def prefill_bucket(step: StepLayout, members: torch.Tensor, geometry: CacheGeome
     )
 
 
+def token_queries(step: StepLayout, geometry: CacheGeometry) -> TokenQueries:
+    every = torch.arange(len(step.query_lens))
+    num_blocks = step.bucket_blocks(every, geometry.block_size)
+    seq_ids = torch.repeat_interleave(every, step.query_lens)  # [T]
+    return TokenQueries(block_table=step.block_table[seq_ids, :num_blocks], seq_lens=step.positions + 1)
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """The step's keys and values [T, kv_heads, head_dim] into the cache rows write_index (of each
@@ -210,7 +232,8 @@ class AttentionBackend(Protocol):
 
 
 class TorchPagedAttention:
-    """Pure-PyTorch paged attention (CPU and CUDA): batched matmuls for decodes, SDPA for prefills.
+    """Pure-PyTorch paged attention (CPU and CUDA): batched matmuls for decodes, SDPA for prefills;
+    on the AVX2 build's CPUs, decode_attention_rows for decode steps and steps with prompts alike.
 
     Gathered keys/values go into a workspace reused by every layer and step: on CPU, gathering
     into fresh multi-megabyte tensors costs several times the copy itself in page faults.
@@ -223,6 +246,9 @@ class TorchPagedAttention:
     def build_metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                        geometry: CacheGeometry) -> AttentionMetadata:
         step = StepLayout.build(query_lens, context_lens, block_tables, geometry)
+        if geometry.device.type == "cpu" and _rows_kernel_available() and max(query_lens) > 1:
+            return AttentionMetadata(positions=step.positions, write_index=step.write_index, num_tokens=step.num_tokens,
+                                     decode=None, prefill=token_queries(step, geometry), fresh_prefills=[])
         decodes, prefills = step.members(decode=True), step.members(decode=False)
         return AttentionMetadata(
             positions=step.positions.to(geometry.device),
@@ -289,6 +315,9 @@ class TorchPagedAttention:
         num_heads = q.shape[1]
         self._write_kv(k_cache, v_cache, metadata, k, v)
         decode, prefill = metadata.decode, metadata.prefill
+        if isinstance(prefill, TokenQueries):  # the whole step in one op (csrc/decode_attention_rows.cpp)
+            return torch.ops.tokenmill.decode_attention_rows.default(q, k_cache, v_cache, prefill.block_table,
+                                                                      prefill.seq_lens, scale)
         if decode is not None and decode.covers_batch:  # a pure decode step: no scatter into `out`
             return self._decode(q, k_cache, v_cache, decode, scale)
         out = q.new_empty(metadata.num_tokens, num_heads * head_dim)

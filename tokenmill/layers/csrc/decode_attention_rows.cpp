@@ -1,6 +1,9 @@
 // Decode attention over the PyTorch path's cache layout (rows), for CPUs whose build lacks
-// paged_decode.cpp (AVX2; cpu_kernels.py): one query token per sequence, keys and values read in
-// place through the block table, in one op instead of the ~10 of TorchPagedAttention._decode.
+// paged_decode.cpp (AVX2; cpu_kernels.py): each query token attends to the first seq_lens[b] rows of
+// its sequence (block_table[b]), keys and values read in place through the block table, in one op
+// instead of the ~10 of TorchPagedAttention._decode. A decode step has one query per sequence; a
+// step with prompt chunks passes each of their tokens as a query of its own (its position + 1
+// rows), so that a prompt's rows are a decode step's, bit for bit, however it is cut.
 // The caches hold q's dtype, or a 16-bit one under float32 queries (a float32 model's
 // kv_cache_dtype float16 / bfloat16), widened as they are read.
 //
@@ -11,7 +14,7 @@
 // write_kv_rows writes a step's new keys and values into those rows (attention.write_kv, as one op),
 // and fused_decode_attention_rows does a decode step's rotary, KV write and attention in one.
 //
-// Work is split over (sequence, kv head), each one decode_rows.h's attend_item (which the fused AVX2
+// Work is split over (query, kv head), each one decode_rows.h's attend_item (which the fused AVX2
 // decode step, decode_step_avx2.cpp, runs too); a few short sequences stay on the calling thread.
 // The output is rounded once to q's dtype.
 #include <ATen/Parallel.h>
@@ -61,13 +64,22 @@ void attend(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, co
             const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t kv_heads, int64_t num_blocks,
             int64_t block_size, int64_t D, float scale) {
   const int64_t groups = H / kv_heads, head_stride = num_blocks * block_size * D;
-  // a few sequences' short contexts run on the calling thread: a parallel region costs more there
+  // Queries split into one run of consecutive queries per thread, each run about the same work
+  // (rows read): a prompt's queries attend to 1..L rows each, so equal counts would leave the first
+  // of two threads a quarter of the work. A few short sequences stay on the calling thread: a
+  // parallel region costs more there.
+  std::vector<int64_t> ends(1, 0);  // ends[i]: one past the last query of run i
   int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += seq_lens[b] * H * D;
-  const int64_t grain = work < kInlineWork ? B * kv_heads : 1;
-  at::parallel_for(0, B * kv_heads, grain, [&](int64_t begin, int64_t end) {
+  for (int64_t b = 0; b < B; ++b) work += seq_lens[b];
+  const int64_t runs = work * H * D < kInlineWork ? 1 : std::min<int64_t>(at::get_num_threads(), B);
+  for (int64_t b = 0, done = 0; b < B; ++b) {
+    done += seq_lens[b];
+    if (done * runs >= work * static_cast<int64_t>(ends.size())) ends.push_back(b + 1);
+  }
+  ends.back() = B;
+  at::parallel_for(0, static_cast<int64_t>(ends.size()) - 1, 1, [&](int64_t first_run, int64_t last_run) {
     tokenmill_rows::AttentionScratch scratch;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = ends[first_run] * kv_heads; task < ends[last_run] * kv_heads; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const tokenmill_rows::AttentionItem item{groups, D, seq_lens[b], block_size, table + b * table_stride, scale};
       tokenmill_rows::attend_item(item, q + b * q_stride + h * groups * D, k_cache + h * head_stride,
