@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers.cpu_kernels import prefill_attention_available
+from tokenmill.layers.cpu_kernels import (
+    decode_attention_rows_available, prefill_attention_available, quant_gemm_i8_available,
+)
 from tokenmill.layers.quantized import QuantizedLinear
 
 SHARED = "Once upon a time, in a kingdom by the sea, there lived a king who loved numbers more than gold. "
@@ -113,14 +115,24 @@ def test_default_model_batch_equals_alone(default_llm):
     assert together == alone
 
 
+def _bit_equal_by_default() -> bool:
+    """Whether this CPU's default dtype has kernels that compute a prompt's rows as decode steps do,
+    bit for bit: bf16 on AVX-512 BF16 (csrc/prefill_attention.cpp), float32 on the AVX2 build
+    (decode_attention_rows for every token, quant_gemv_i8 for every batch, rows rounded to 8 bits)."""
+    return prefill_attention_available() or (decode_attention_rows_available() and quant_gemm_i8_available())
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not prefill_attention_available(), reason="bit-equal bf16 rows need the AVX-512 BF16 kernels")
-def test_default_model_in_bf16_gives_the_same_bits_however_prompts_are_cut():
-    """In bf16 too, not only the tokens but every log-probability: a prompt whose last token is
-    computed alone (a 1-token chunk, a prefix hit leaving one token: the decode kernel's row) or
-    recomputed after preemption (generated tokens re-run as a prompt) equals the prompt run whole.
-    The prefill kernel computes each row in the decode kernel's order; before it did, 3 of these
-    12 prompts changed a token under the 9-token budget and 2 under preemption."""
+@pytest.mark.skipif(not _bit_equal_by_default(), reason="bit-equal rows need the AVX-512 BF16 kernels or the AVX2 build")
+def test_default_model_gives_the_same_bits_however_prompts_are_cut():
+    """In the CPU's default dtype, not only the tokens but every log-probability: a prompt whose last
+    token is computed alone (a 1-token chunk, a prefix hit leaving one token: the decode kernel's
+    row) or recomputed after preemption (generated tokens re-run as a prompt) equals the prompt run
+    whole. In bf16 the prefill kernel computes each row in the decode kernel's order; before it did,
+    3 of these 12 prompts changed a token under the 9-token budget and 2 under preemption. On the
+    AVX2 build (float32) every token is a query of the decode op and every batch rounds its rows to
+    8 bits as decode does; before, with SDPA and oneDNN for prompts, every prompt's log-probs changed
+    under the 9-token budget, prefix hits and preemption."""
     words = (Path(__file__).parents[1] / "benchmarks" / "data" / "mills.txt").read_text().split()
     prompts = [" ".join(words[i * 40 : i * 40 + 25 + 3 * i]) for i in range(12)]  # 25..58 words
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
@@ -129,16 +141,16 @@ def test_default_model_in_bf16_gives_the_same_bits_however_prompts_are_cut():
         outs = [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
         return [(o.token_ids, [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
 
-    alone = LLM(dtype="bfloat16", num_kv_blocks=512, enable_prefix_caching=False)
+    alone = LLM(num_kv_blocks=512, enable_prefix_caching=False)
     reference = [run(alone, [p])[0] for p in prompts]
-    chunked = LLM(dtype="bfloat16", num_kv_blocks=512, enable_prefix_caching=False, max_num_batched_tokens=9)
+    chunked = LLM(num_kv_blocks=512, enable_prefix_caching=False, max_num_batched_tokens=9)
     assert run(chunked, prompts) == reference
-    cached = LLM(dtype="bfloat16", num_kv_blocks=512)
+    cached = LLM(num_kv_blocks=512)
     run(cached, prompts)
     hits = run(cached, prompts)
     assert cached.stats().kv_cache.prefix_cache_hits > 0
     assert hits == reference
-    tight = LLM(dtype="bfloat16", num_kv_blocks=20, enable_prefix_caching=False)
+    tight = LLM(num_kv_blocks=20, enable_prefix_caching=False)
     assert run(tight, prompts) == reference
     assert tight.stats().num_preemptions > 0
 

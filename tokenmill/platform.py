@@ -68,8 +68,11 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    """True when the CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX) and torch runs its
+    AVX-512 code there (not under ATEN_CPU_CAPABILITY=avx2, which also picks our AVX2 kernels)."""
+    import torch
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags()) and "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -80,6 +80,7 @@ class WorkerSpec:
     block_size: int
     num_threads: int
     kv_cache_dtype: str = "auto"
+    dtype_was_auto: bool = False  # rank 0 chose dtype: so may the loader its rounding (loader.load_model)
 
 
 def make_group(store: dist.Store, rank: int, world_size: int, device: torch.device):
@@ -128,6 +129,7 @@ class TensorParallelExecutor:
             quantization=config.quantization,
             max_model_len=config.scheduler.max_model_len, block_size=config.cache.block_size,
             num_threads=torch.get_num_threads(), kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+            dtype_was_auto=config.dtype == "auto",
         )
         rendezvous = config.rendezvous or Rendezvous("127.0.0.1", 0, world, token=secrets.token_hex(16))
         self.comm = Communicator(0, world)
@@ -151,7 +153,8 @@ class TensorParallelExecutor:
     def load_model(self) -> LoadedModel:
         try:
             self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.scheduler.max_model_len,
-                                     shard=self.comm, quantization=self.config.quantization)
+                                     shard=self.comm, quantization=self.config.quantization,
+                                     dtype_was_auto=self.config.dtype == "auto")
         except Exception:
             self.shutdown()
             raise

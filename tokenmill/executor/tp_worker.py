@@ -43,7 +43,7 @@ def run(host: str, port: int, rank: int, world_size: int) -> None:
     dtype = resolve_dtype(spec.dtype, device)
     comm = Communicator(rank, world_size)
     loaded = load_model(spec.model, dtype, device, spec.max_model_len, shard=comm, with_tokenizer=False,
-                        quantization=spec.quantization)
+                        quantization=spec.quantization, dtype_was_auto=spec.dtype_was_auto)
     num_blocks = int(store.get(NUM_BLOCKS_KEY))  # rank 0 sizes the KV pool once its shard is loaded
     comm.group = make_group(store, rank, world_size, device)
     runner = ModelRunner(loaded.model, num_blocks, spec.block_size, device, dtype,

@@ -28,8 +28,9 @@ loader then sets every layer's activation_bits to 8 (round_rows_like_batches), w
 sends its batches there, and its few rows get the same rounding, bit for bit. Elsewhere they use `batched`, a dense module over the dequantized weight that
 layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none, a call
 dequantizes the weight for itself. CPUs with AVX2 but no AVX-512 have quant_gemv, quant_gemv_i8
-and the dequantizer (csrc/quant_gemv_avx2.cpp): few rows, and batches of up to I8_BATCH_MAX_ROWS,
-read the codes there too (uses_batched_i8), each row rounded and summed as it would be alone.
+and the dequantizer (csrc/quant_gemv_avx2.cpp): few rows and batches read the codes there too
+(uses_batched_i8), each row rounded and summed as it would be alone; to 8 bits per group where
+dtype "auto" chose float32 (round_rows_like_batches; llama.cpp rounds its activations so too).
 Without any kernel (other CPUs) few rows go the dequantizing way: correct, not fast. On CUDA the
 loader gives 4-bit linears torch's int4 matmul as their `batched` module and swaps the others for
 dense copies (layers/gpu_quantized.py).
@@ -52,8 +53,10 @@ from tokenmill.layers.cpu_kernels import (
 
 CHUNK = 64  # columns per packed 4-bit chunk (the kernel's vector width in bytes)
 GEMV_MAX_ROWS = 8  # at most this many rows go through the matrix-vector kernel
-# on AVX2 CPUs, batches of up to this many rows go through quant_gemv_i8's batched loop; more
-# rows (prefill chunks) through oneDNN on a float32 copy dequantized per call, faster there
+# on AVX2 CPUs, a layer with 16-bit activations (two 8-bit parts) sends batches of up to this many
+# rows through quant_gemv_i8's batched loop and more through oneDNN on a float32 copy dequantized
+# per call, faster there than two parts; with 8-bit ones (dtype "auto" there) every batch goes
+# through the batched loop
 I8_BATCH_MAX_ROWS = 64
 
 
@@ -444,9 +447,19 @@ def batches_read_codes(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interleaving_pays(device, dtype) and _gemm_kernel_available()
 
 
-def rounds_rows_to_8_bits(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether many rows of this device and dtype go through quant_gemm_q8 (8-bit activations)."""
-    return batches_read_codes(device, dtype) and _gemm_q8_kernel_available()
+def rounds_rows_to_8_bits(device: torch.device, dtype: torch.dtype, dtype_was_auto: bool = False) -> bool:
+    """Whether every quantized linear on this device and dtype rounds its activations to 8 bits per
+    group, batches and few rows alike (round_rows_like_batches): where batches go through
+    quant_gemm_q8 (VNNI without AMX); and on AVX2 CPUs for a float32 model whose dtype "auto" chose
+    (their speed path, as llama.cpp's): quant_gemv_i8 then takes every batch in one 8-bit part,
+    faster than two parts and than oneDNN on a dequantized float32 copy at every batch size
+    measured (1-512 rows), and a prompt's rows are the same bits however it is cut. float32 asked
+    for keeps two parts (~exact) and oneDNN for long batches."""
+    if device.type != "cpu":
+        return False
+    if batches_read_codes(device, dtype) and _gemm_q8_kernel_available():
+        return True
+    return dtype_was_auto and dtype == torch.float32 and _gemm_i8_kernel_available()
 
 
 def round_rows_like_batches(model: nn.Module) -> None:

@@ -58,13 +58,15 @@ def load_model_config(model: str | Path | None) -> ModelConfig:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
                shard: Communicator | None = None, with_tokenizer: bool = True,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, dtype_was_auto: bool = False) -> LoadedModel:
     """Load config, weights and tokenizer. Every failure is a ModelLoadError.
 
     With `shard`, only this tensor-parallel rank's slices are kept (LoadedModel.config is still the
     whole model's); with_tokenizer=False skips the tokenizer (workers never detokenize).
     `quantization`: None keeps a GGUF's own quantized weights (and an HF model's dtype), "none"
     dequantizes everything to `dtype`, "int8" / "int4" quantize the layers' linears at load.
+    `dtype_was_auto`: the engine chose `dtype`, and may choose its speed path's rounding with it
+    (quantized.rounds_rows_to_8_bits).
     """
     if quantization not in QUANTIZATION_CHOICES:
         raise ModelLoadError(f"quantization must be one of {', '.join(map(str, QUANTIZATION_CHOICES))}, "
@@ -73,7 +75,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     # One after the other: the tokenizer on a thread of its own (importing transformers: Python,
     # holding the GIL) slowed the weights' many small torch ops down more than it overlapped them,
     # GGUF and safetensors alike (0.2-0.4 s later to ready), and its heap kept ~70 MB resident.
-    net, config, context = _load_weights(path, dtype, device, max_model_len, shard, quantization)
+    net, config, context = _load_weights(path, dtype, device, max_model_len, shard, quantization, dtype_was_auto)
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     release_free_memory()  # the temporaries of repacking: resident until trimmed
     eos = tokenizer.eos_token_id if tokenizer is not None else None
@@ -84,7 +86,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
 
 
 def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-                  shard: Communicator | None, quantization: str | None) -> tuple[DecoderForCausalLM, ModelConfig, int]:
+                  shard: Communicator | None, quantization: str | None,
+                  dtype_was_auto: bool) -> tuple[DecoderForCausalLM, ModelConfig, int]:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path.name}: a model is an HF directory or a .gguf file")
@@ -120,8 +123,8 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
     maybe_pack_weights(net, dtype, device)
     if interleaving_pays(device, dtype):  # after packing: that dequantizes from the row layout
         interleave_weights(net)
-        if rounds_rows_to_8_bits(device, dtype):
-            round_rows_like_batches(net)
+    if rounds_rows_to_8_bits(device, dtype, dtype_was_auto):
+        round_rows_like_batches(net)
     if device.type == "cuda":  # our quantized kernels are CPU code: torch's int4 matmul, else dense copies
         counts = prepare_quantized_linears(net, dtype, device)
         if any(counts.values()):
