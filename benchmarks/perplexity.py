@@ -10,8 +10,8 @@ Weights, all run in this CPU's default dtype (bfloat16 where it has native bf16,
 Each is scored twice on the same windows: fed 8 tokens at a time (every linear sees <= 8 rows: the
 decode kernels, the path generation takes) and a whole window at once (the batched path, prefill).
 Targets: int8 within 1% of bf16, int4 and Q4_1 within 5%. --activation-bits 8 or 16 gives every
-quantized linear that rounding of its activations instead of the loader's choice for this CPU (to
-weigh 8-bit activations where they are not the default, e.g. the AVX2 build). Prints a table and
+quantized linear that rounding of its activations instead of the loader's choice for this CPU and
+--dtype (on the AVX2 build: 8 bits where --dtype auto chose float32, 16 where float32 is asked for). Prints a table and
 one JSON line. Usage:
     python benchmarks/perplexity.py [--windows 8] [--window-len 512] [--dtype D] [--activation-bits B]
 """
@@ -41,7 +41,7 @@ def windows(num: int, length: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def negative_log_likelihood(quantization: str | None, texts: list[list[int]], chunk: int, dtype: torch.dtype,
-                            activation_bits: int | None) -> tuple[float, int]:
+                            activation_bits: int | None, dtype_was_auto: bool = False) -> tuple[float, int]:
     """Summed NLL of every next token of every window, and how many tokens that is."""
     from tokenmill.layers.attention import AttentionContext, CacheGeometry
     from tokenmill.layers.cpu_attention import default_attention_backend
@@ -51,7 +51,7 @@ def negative_log_likelihood(quantization: str | None, texts: list[list[int]], ch
     cpu = torch.device("cpu")
     length = max(len(t) for t in texts)
     loaded = load_model(None, dtype, cpu, max_model_len=length + BLOCK_SIZE, with_tokenizer=False,
-                        quantization=quantization)
+                        quantization=quantization, dtype_was_auto=dtype_was_auto)
     model, config = loaded.model, loaded.config
     if activation_bits is not None:
         for module in model.modules():
@@ -96,7 +96,8 @@ def main() -> None:
     for name, quantization in WEIGHTS.items():
         rows[name] = {}
         for path, chunk in (("decode", args.decode_chunk), ("prefill", args.window_len)):
-            nll, count = negative_log_likelihood(quantization, texts, chunk, dtype, args.activation_bits)
+            nll, count = negative_log_likelihood(quantization, texts, chunk, dtype, args.activation_bits,
+                                                 dtype_was_auto=args.dtype == "auto")
             rows[name][path] = math.exp(nll / count)
     base = rows["bf16"]
     bits = "the loader's" if args.activation_bits is None else f"{args.activation_bits}-bit"
