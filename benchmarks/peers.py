@@ -8,7 +8,8 @@ Every server is driven by tokenmill's streaming client (tokenmill/bench) with th
 (windows of benchmarks/data/mills.txt), greedy, ignore_eos, no prefix-cache hits between phases:
   W1  three different 128-token prompts -> 128 tokens, one at a time (TTFT, decode tok/s), twice (the
       second time with another first token, so that no prompt hits a prefix cache); all servers are up
-      and take turns prompt by prompt, so that each W1 figure is of the same minutes
+      and take turns prompt by prompt, so that each W1 figure is of the same minutes; the servers not
+      being measured are paused (SIGSTOP) in every phase, as vLLM's idle workers spin
   W2  64 x 256 -> 128 all at once (total and output tok/s), one engine at a time
   W3  64 x 256 -> 128 at concurrency 16 (TTFT p99, ITL median), one engine at a time
 It also records peak RSS of each server's whole process tree and the seconds from launch to answering
@@ -23,6 +24,7 @@ import asyncio
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,9 +43,9 @@ from tokenmill.bench.serve import BenchRequest, run_load, served_model_name, sum
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache/tokenmill-peers/llama.cpp/build/bin/llama-server"
 
 
-# ---- process tree memory --------------------------------------------------------------------
-def tree_rss_mb(root: int) -> float:
-    """Resident memory of `root` and all its descendants (from /proc)."""
+# ---- process trees: memory, pausing ---------------------------------------------------------
+def process_tree(root: int) -> dict[int, int]:
+    """{pid: resident bytes} of `root` and all its descendants (from /proc)."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -56,12 +58,25 @@ def tree_rss_mb(root: int) -> float:
             rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, IndexError, ValueError):
             continue
-    total, stack = 0, [root]
+    tree, stack = {}, [root]
     while stack:
         pid = stack.pop()
-        total += rss.get(pid, 0)
+        tree[pid] = rss.get(pid, 0)
         stack.extend(children.get(pid, []))
-    return total / 2**20
+    return tree
+
+
+def tree_rss_mb(root: int) -> float:
+    """Resident memory of `root` and all its descendants."""
+    return sum(process_tree(root).values()) / 2**20
+
+
+def signal_tree(root: int, sig: signal.Signals) -> None:
+    for pid in process_tree(root):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 class PeakRss(threading.Thread):
@@ -151,7 +166,13 @@ class Server:
     def run(self, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
         return phase(self.port, self.model, prompts, output_len, concurrency)
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue its whole process tree: an idle server is not always idle
+        (vLLM's CPU worker threads spin: up beside the others, it cost their W1 15-25%)."""
+        signal_tree(self.process.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def stop(self) -> None:
+        self.pause(False)
         self.process.terminate()
         try:
             self.process.wait(60)
@@ -161,18 +182,27 @@ class Server:
 
 
 def run_engines(names: list[str], args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> list[dict]:
-    """Every server up at once (launched one after another, each timed alone); W1 with the engines
-    taking turns prompt by prompt, so that they decode in the same minutes (this machine's speed
-    drifts by up to 2x within an hour); W2 and W3 one engine at a time, the others idle."""
+    """Every server up at once (launched one after another, each timed alone, the others paused);
+    W1 with the engines taking turns prompt by prompt, so that they decode in the same minutes
+    (this machine's speed drifts by up to 2x within an hour); W2 and W3 one engine at a time. The
+    servers not being measured are paused (SIGSTOP), so that none takes CPU from another."""
     servers: list[Server] = []
+
+    def measure(server: Server, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+        for other in servers:
+            other.pause(other is not server)
+        return server.run(prompts, output_len, concurrency)
+
     try:
         for i, name in enumerate(names):
+            for other in servers:
+                other.pause(True)
             servers.append(Server(name, args, args.port + i))
-            servers[-1].run(prompts["warmup"], 8, 4)
+            measure(servers[-1], prompts["warmup"], 8, 4)
         w1: dict[str, list[dict]] = {s.name: [] for s in servers}
         for prompt in prompts["w1"]:
             for server in servers:
-                w1[server.name].append(server.run([prompt], args.output_len, 1))
+                w1[server.name].append(measure(server, [prompt], args.output_len, 1))
         results = []
         for server in servers:
             result = {
@@ -182,8 +212,8 @@ def run_engines(names: list[str], args: argparse.Namespace, prompts: dict[str, l
                 "w2_total_tps": None, "w2_output_tps": None, "w3_ttft_p99_ms": None, "w3_itl_median_ms": None,
             }
             if not args.w1_only:
-                w2 = server.run(prompts["w2"], args.output_len, len(prompts["w2"]))
-                w3 = server.run(prompts["w3"], args.output_len, args.concurrency)
+                w2 = measure(server, prompts["w2"], args.output_len, len(prompts["w2"]))
+                w3 = measure(server, prompts["w3"], args.output_len, args.concurrency)
                 result.update(w2_total_tps=w2["total_token_throughput"], w2_output_tps=w2["output_throughput"],
                               w3_ttft_p99_ms=w3["ttft_ms"]["p99"], w3_itl_median_ms=w3["itl_ms"]["median"])
             results.append(result)
