@@ -187,3 +187,36 @@ def test_work_split_over_threads_leaves_no_query_out():
         alone = torch.ops.tokenmill.decode_attention_rows(q[t : t + 1], cache, cache, table[:1], lens[t : t + 1], 0.125)
         assert torch.equal(together[t], alone[0]), t
     assert torch.isfinite(together).all()
+
+
+def test_a_model_with_more_query_heads_per_kv_head_than_the_op_takes(tmp_path, tokenizer_dir, monkeypatch):
+    """16 query heads per kv head, past decode_attention_rows' 8: its steps take the PyTorch path
+    (decode raised before) and greedy tokens are transformers'."""
+    import shutil
+
+    import transformers
+
+    from tokenmill import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=16, num_key_value_heads=1, max_position_embeddings=256,
+                                      initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    prompt = [5, 17, 123, 42, 7, 250, 3, 99, 1000, 12]
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours[0].outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    # quantized, every projection on quant_gemv_i8: the one-call decode step is not for it either
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    quantized = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, quantization="int4")
+    layered = quantized.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setenv("TOKENMILL_DECODE_LAYERS", "0")
+    per_layer = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64, quantization="int4")
+    assert per_layer.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == layered

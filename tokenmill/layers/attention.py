@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from tokenmill.layers.cpu_kernels import decode_attention_rows_available, prefill_attention_available
 
 
+ROWS_MAX_QUERY_GROUPS = 8  # query heads per kv head that decode_attention_rows takes (csrc/decode_rows.h)
+
+
 @dataclass(frozen=True)
 class CacheGeometry:
     """What the metadata builders need to know about the paged KV cache and the model."""
@@ -246,7 +249,7 @@ class TorchPagedAttention:
     def build_metadata(self, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
                        geometry: CacheGeometry) -> AttentionMetadata:
         step = StepLayout.build(query_lens, context_lens, block_tables, geometry)
-        if geometry.device.type == "cpu" and _rows_kernel_available() and max(query_lens) > 1:
+        if rows_kernel_applies(geometry) and max(query_lens) > 1:
             return AttentionMetadata(positions=step.positions, write_index=step.write_index, num_tokens=step.num_tokens,
                                      decode=None, prefill=token_queries(step, geometry), fresh_prefills=[])
         decodes, prefills = step.members(decode=True), step.members(decode=False)
@@ -270,7 +273,7 @@ class TorchPagedAttention:
         seq_lens = step.query_lens[members] + step.context_lens[members]
         block_table = step.block_table[members, :num_blocks].contiguous()
         token_index, covers_batch = step.query_starts[members].to(device), batch == len(step.query_lens)
-        if device.type == "cpu" and _rows_kernel_available():  # decode_attention_rows reads the rest itself
+        if rows_kernel_applies(geometry):  # decode_attention_rows reads the rest itself
             return DecodeBucket(token_index, covers_batch, context_len, block_table, seq_lens)
         kv_pos = torch.arange(context_len)
         bias = torch.zeros(batch, context_len, dtype=geometry.dtype).masked_fill(
@@ -362,7 +365,7 @@ class TorchPagedAttention:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bucket: DecodeBucket,
                 scale: float) -> torch.Tensor:
         """q: [B, num_heads, head_dim], one query per sequence -> [B, num_heads * head_dim]."""
-        if q.device.type == "cpu" and _rows_kernel_available():  # one op (csrc/decode_attention_rows.cpp)
+        if bucket.gather_index is None:  # the CPU op's bucket: one op (csrc/decode_attention_rows.cpp)
             return torch.ops.tokenmill.decode_attention_rows.default(q, k_cache, v_cache, bucket.block_table,
                                                                       bucket.seq_lens, scale)
         num_kv_heads, _, _, head_dim = k_cache.shape
@@ -405,6 +408,12 @@ class TorchPagedAttention:
         attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bucket.attn_mask, scale=scale)
         attn = attn.view(num_kv_heads, batch, max_q, groups, head_dim).permute(1, 2, 0, 3, 4)
         return attn.reshape(batch, max_q, num_heads * head_dim)[bucket.valid]
+
+
+def rows_kernel_applies(geometry: CacheGeometry) -> bool:
+    """Whether TorchPagedAttention's steps attend through decode_attention_rows (the AVX2 build's
+    CPUs), which takes up to 8 query heads per kv head; other models take the PyTorch path."""
+    return geometry.device.type == "cpu" and geometry.num_query_groups <= ROWS_MAX_QUERY_GROUPS and _rows_kernel_available()
 
 
 def prefill_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

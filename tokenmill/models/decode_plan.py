@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.attention import (
-    AttentionContext, DecodeBucket, TorchPagedAttention, fused_decode_attention_rows,
+    ROWS_MAX_QUERY_GROUPS, AttentionContext, DecodeBucket, TorchPagedAttention, fused_decode_attention_rows,
 )
 from tokenmill.layers.cpu_attention import CpuPagedAttention, KernelDecodeBucket, fused_decode_attention
 from tokenmill.layers.cpu_kernels import decode_attention_rows_available, fused_ops_available, kernels_available
@@ -101,6 +101,9 @@ class FusedLayers:
         """Whether every layer can run in DecodeLayersRows: a float32 model whose projections all
         run quant_gemv_i8 over the row layout, without biases or q/k norms."""
         if os.environ.get("TOKENMILL_DECODE_LAYERS", "1") == "0" or not decode_attention_rows_available():
+            return False
+        attention = model.layers[0].self_attn
+        if attention.num_heads // attention.num_kv_heads > ROWS_MAX_QUERY_GROUPS:
             return False
         return model.norm.weight.dtype == torch.float32 and all(
             layer.self_attn.q_norm is None and layer.input_layernorm.weight.dtype == torch.float32
@@ -186,7 +189,8 @@ class DecodePlan:
         if fused_attention and self.fused is not None:
             return self.fused(x, rope, metadata)
         # the AVX2 build's: rotary, KV write and decode_attention_rows in one op
-        fused_rows = rope.tables is None and isinstance(backend, TorchPagedAttention) and decode_attention_rows_available()
+        fused_rows = (rope.tables is None and isinstance(backend, TorchPagedAttention) and decode_attention_rows_available()
+                      and metadata.decode.gather_index is None)  # the op's bucket (up to 8 query heads per kv head)
         if fused_rows and self.fused_rows is not None:
             return self.fused_rows(x.contiguous(), rope, metadata)
         residual = None
