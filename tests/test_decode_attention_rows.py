@@ -187,6 +187,15 @@ def test_work_split_over_threads_leaves_no_query_out():
         alone = torch.ops.tokenmill.decode_attention_rows(q[t : t + 1], cache, cache, table[:1], lens[t : t + 1], 0.125)
         assert torch.equal(together[t], alone[0]), t
     assert torch.isfinite(together).all()
+    # one long sequence (a single stream's decode step): its kv heads are the runs, one per thread
+    try:
+        torch.set_num_threads(2)
+        split = torch.ops.tokenmill.decode_attention_rows(q[-1:], cache, cache, table[:1], lens[-1:], 0.125)
+        torch.set_num_threads(1)
+        one = torch.ops.tokenmill.decode_attention_rows(q[-1:], cache, cache, table[:1], lens[-1:], 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, one) and torch.equal(split[0], together[-1])
 
 
 def test_a_model_with_more_query_heads_per_kv_head_than_the_op_takes(tmp_path, tokenizer_dir, monkeypatch):

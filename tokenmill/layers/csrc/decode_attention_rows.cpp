@@ -64,22 +64,23 @@ void attend(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, co
             const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t kv_heads, int64_t num_blocks,
             int64_t block_size, int64_t D, float scale) {
   const int64_t groups = H / kv_heads, head_stride = num_blocks * block_size * D;
-  // Queries split into one run of consecutive queries per thread, each run about the same work
-  // (rows read): a prompt's queries attend to 1..L rows each, so equal counts would leave the first
-  // of two threads a quarter of the work. A few short sequences stay on the calling thread: a
-  // parallel region costs more there.
-  std::vector<int64_t> ends(1, 0);  // ends[i]: one past the last query of run i
+  // (query, kv head) tasks split into one run of consecutive tasks per thread, each run about the
+  // same work (rows read): a prompt's queries attend to 1..L rows each, so equal counts would leave
+  // the first of two threads a quarter of the work. A few short sequences stay on the calling
+  // thread: a parallel region costs more there.
+  const int64_t tasks = B * kv_heads;
+  std::vector<int64_t> ends(1, 0);  // ends[i]: one past the last task of run i
   int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += seq_lens[b];
-  const int64_t runs = work * H * D < kInlineWork ? 1 : std::min<int64_t>(at::get_num_threads(), B);
-  for (int64_t b = 0, done = 0; b < B; ++b) {
-    done += seq_lens[b];
-    if (done * runs >= work * static_cast<int64_t>(ends.size())) ends.push_back(b + 1);
+  for (int64_t b = 0; b < B; ++b) work += seq_lens[b] * kv_heads;
+  const int64_t runs = work * groups * D < kInlineWork ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  for (int64_t task = 0, done = 0; task < tasks; ++task) {
+    done += seq_lens[task / kv_heads];
+    if (done * runs >= work * static_cast<int64_t>(ends.size())) ends.push_back(task + 1);
   }
-  ends.back() = B;
+  ends.back() = tasks;
   at::parallel_for(0, static_cast<int64_t>(ends.size()) - 1, 1, [&](int64_t first_run, int64_t last_run) {
     tokenmill_rows::AttentionScratch scratch;
-    for (int64_t task = ends[first_run] * kv_heads; task < ends[last_run] * kv_heads; ++task) {
+    for (int64_t task = ends[first_run]; task < ends[last_run]; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const tokenmill_rows::AttentionItem item{groups, D, seq_lens[b], block_size, table + b * table_stride, scale};
       tokenmill_rows::attend_item(item, q + b * q_stride + h * groups * D, k_cache + h * head_stride,
