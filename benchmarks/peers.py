@@ -246,6 +246,7 @@ def roofline(result: dict) -> dict:
     import torch
 
     from tokenmill.layers.quantized import rounds_rows_to_8_bits
+    from tokenmill.platform import resolve_dtype
 
     from tokenmill.hardware import cached_cpu_peaks, measure_cpu_peaks
     from tokenmill.models.gguf_loader import GGUFFile
@@ -268,7 +269,8 @@ def roofline(result: dict) -> dict:
     out["w2_achieved_tflops"] = flops / 1e12
     if peaks is not None:
         out["w2_fraction_of_matmul_peak"] = flops / 1e12 / peaks.bf16_tflops
-    if rounds_rows_to_8_bits(torch.device("cpu"), torch.bfloat16):
+    cpu = torch.device("cpu")
+    if rounds_rows_to_8_bits(cpu, resolve_dtype("auto", cpu), dtype_was_auto=True):  # what `serve` chose
         out["int8_tops"] = int8_matmul_tops()
         out["w2_fraction_of_int8_peak"] = flops / 1e12 / out["int8_tops"]
     return out
