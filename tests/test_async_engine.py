@@ -159,3 +159,24 @@ def test_drain_waits_then_aborts_the_rest(tiny_llm):
     assert run(_with_engine(engine, body)) == 1
     assert wait_until(lambda: not engine.has_unfinished_requests())
     assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_an_abort_while_the_reader_holds_an_output_still_reaches_it(tiny_llm):
+    """The drain fails a stream while its reader is busy with the output before (suspended in the
+    `async for` body): the next read raises the error; the stream never ends as if it had finished."""
+    engine = tiny_llm.engine
+    endless = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+
+    async def body(async_engine):
+        outputs = []
+        with pytest.raises(ServerBusyError, match="shutting down"):
+            async for output in async_engine.generate("long", engine.tokenize(PROMPTS[1]), endless):
+                outputs.append(output)
+                if len(outputs) == 1:
+                    assert await async_engine.drain(timeout=0.0) == 1
+        return outputs
+
+    outputs = run(_with_engine(engine, body))
+    assert len(outputs) == 1 and not outputs[0].finished
+    assert wait_until(lambda: not engine.has_unfinished_requests())
+    assert engine.kv_cache.stats().num_used_blocks == 0

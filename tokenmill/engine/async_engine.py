@@ -204,9 +204,12 @@ class AsyncLLMEngine:
                 if stream.error is not None:
                     raise stream.error
                 output, stream.pending, stream.unread_since = stream.pending, None, None
+                # Read before yielding: a failure set while the reader holds this output (a drain's
+                # abort) marks the stream finished too, and must be raised, not taken for the end.
+                finished = stream.finished
                 if output is not None:
                     yield output
-                if stream.finished:
+                if finished:
                     return
         finally:
             if not stream.finished:
