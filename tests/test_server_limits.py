@@ -289,8 +289,10 @@ def test_a_second_sigterm_aborts_what_still_runs_and_exits_0(tiny_llama_dir, tmp
     finally:
         server.stop(signal.SIGKILL)
     log = server.log()
-    # it failed once in a full CI run (the stream ended after a normal chunk) and never since: say what came
-    assert isinstance(events[-1], dict) and "error" in events[-1], (event, events[-3:], log[-4000:])
+    # say what came if it fails (it did, rarely, before the drain ignored a nested signal's late, longer timeout)
+    if not (isinstance(events[-1], dict) and "error" in events[-1]):
+        print(len(events), event, events[-3:], log[-6000:], sep="\n")
+    assert isinstance(events[-1], dict) and "error" in events[-1]
     assert "shutting down" in events[-1]["error"]["message"]
     assert len(events) < 400  # cut short, at ~20 ms a step
     assert "SIGTERM again: aborting the requests still running" in log

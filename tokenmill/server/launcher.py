@@ -99,6 +99,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._drain_timeout = float("inf")
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -122,8 +123,13 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain, self.drain_timeout)
 
     def _start_drain(self, timeout: float) -> None:
+        # A second signal can arrive inside the first one's handler (Python runs handlers between any
+        # two bytecodes), and then its callback is queued first: a drain only ever gets shorter.
         if self._drain_task is not None:
+            if timeout >= self._drain_timeout:
+                return
             self._drain_task.cancel()
+        self._drain_timeout = timeout
         self._drain_task = asyncio.ensure_future(self._drain(timeout))
 
     async def _drain(self, timeout: float) -> None:
