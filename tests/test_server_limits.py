@@ -14,6 +14,20 @@ from server_harness import read_event, start_server
 from tokenmill import SamplingParams
 
 API_KEY = "test-key-1234"
+
+
+def slow_steps(seconds: float) -> str:
+    """A server prelude: every engine step takes at least `seconds`, so a long request stays running
+    for as long as a test needs it, however fast the machine."""
+    return f"""
+import time
+from tokenmill.engine import engine_core
+_step = engine_core.LLMEngine.step
+def slow_step(self):
+    time.sleep({seconds})
+    return _step(self)
+engine_core.LLMEngine.step = slow_step
+"""
 CHAT = [{"role": "user", "content": "Tell me about mills."}]
 
 
@@ -30,9 +44,11 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def guarded_server(tiny_llama_dir, tmp_path_factory):
-    """An API key, one running sequence at a time and one waiting request at most."""
+    """An API key, one running sequence at a time and one waiting request at most; steps of >= 5 ms, so a
+    480-token request holds the one slot for >= 2.4 s."""
     process = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32", "--max-num-seqs", "1",
-                            "--max-queued-requests", "1"], tmp_path_factory.mktemp("guarded"), api_key=API_KEY)
+                            "--max-queued-requests", "1"], tmp_path_factory.mktemp("guarded"), api_key=API_KEY,
+                           prelude=slow_steps(0.005))
     yield process
     assert process.stop() == 0, process.log()
     assert "Traceback" not in process.log()
@@ -244,7 +260,8 @@ def test_full_waiting_queue_is_503_with_retry_after(guarded_server):
 def test_disconnect_while_queued_aborts_only_that_request(guarded_server):
     server = guarded_server
     aborts_before = server.metric("tokenmill:request_success_total", finished_reason="abort")
-    running_conn, running = server.open_stream("/v1/completions", {"prompt": "occupy", "max_tokens": 60,
+    # long enough to still run when the queued request is seen waiting (60 tokens once finished first in CI)
+    running_conn, running = server.open_stream("/v1/completions", {"prompt": "occupy", "max_tokens": 480,
                                                                    "ignore_eos": True, "temperature": 0})
     events = [read_event(running)]  # running: the one sequence slot is taken
     queued_conn, queued = server.open_stream("/v1/completions", {"prompt": "wait", "max_tokens": 60})
@@ -260,21 +277,10 @@ def test_disconnect_while_queued_aborts_only_that_request(guarded_server):
     assert server.wait_for(lambda: server.metric("tokenmill:kv_cache_usage_perc") == 0.0, 10)
 
 
-SLOW_STEPS = """
-import time
-from tokenmill.engine import engine_core
-_step = engine_core.LLMEngine.step
-def slow_step(self):
-    time.sleep(0.02)
-    return _step(self)
-engine_core.LLMEngine.step = slow_step
-"""
-
-
 def test_a_second_sigterm_aborts_what_still_runs_and_exits_0(tiny_llama_dir, tmp_path):
     """The drain cut short: the running stream ends with the shutdown error, KV blocks are freed,
     the app's own shutdown runs (no force-exit, no traceback in the log) and the status is 0."""
-    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path, prelude=SLOW_STEPS)
+    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path, prelude=slow_steps(0.02))
     try:
         conn, response = server.open_stream("/v1/completions",
                                             {"prompt": "keep going", "max_tokens": 480, "ignore_eos": True})
