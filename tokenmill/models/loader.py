@@ -88,16 +88,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
 def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
                   shard: Communicator | None, quantization: str | None,
                   dtype_was_auto: bool) -> tuple[DecoderForCausalLM, ModelConfig, int]:
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"{path.name}: a model is an HF directory or a .gguf file")
-        gguf_file = GGUFFile(path)
-        config = gguf_file.model_config()
-        weights = gguf_file.iter_tensors(config, keep_quantized=quantization is None)
-    else:
-        config = load_hf_config(path)
-        weights = iter_safetensors(path)
-
+    config, weights = _open_weights(path, quantization)
     context = config.max_position_embeddings
     if config.sliding_window is not None and config.sliding_window < context:
         logger.warning("sliding-window attention is not implemented: capping context at %d", config.sliding_window)
@@ -118,6 +109,10 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
         net.load_weights(shard_weights(weights, config, shard, tables))
         wrap_parallel(net, config.vocab_size, shard, vocab_parallel_head(tables, config.tie_word_embeddings))
     net.eval()
+    # The weights' source holds a GGUF's mapping (its pages are resident once read: ~the file's
+    # size) and glibc keeps the loading's temporaries: both let go before repacking adds its own.
+    del weights
+    release_free_memory()
     if quantization in ("int8", "int4"):  # the decoder layers' linears; embedding and head keep their dtype
         quantize_linear_layers(net.layers, 8 if quantization == "int8" else 4)
     maybe_pack_weights(net, dtype, device)
@@ -130,6 +125,18 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
         if any(counts.values()):
             logger.info("quantized linears on %s: %s", device, counts)
     return net, config, context
+
+
+def _open_weights(path: Path, quantization: str | None):
+    """The model's config and an iterator over its weights (a GGUF's own quantized tensors kept
+    unless `quantization` asks otherwise); the file is referenced by the iterator alone."""
+    if not path.is_file():
+        return load_hf_config(path), iter_safetensors(path)
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{path.name}: a model is an HF directory or a .gguf file")
+    gguf_file = GGUFFile(path)
+    config = gguf_file.model_config()
+    return config, gguf_file.iter_tensors(config, keep_quantized=quantization is None)
 
 
 def weights_held_as(quantization: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device) -> str | None:
