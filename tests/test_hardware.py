@@ -70,3 +70,14 @@ def test_real_measurement_is_plausible(cache_home):
     peaks = hardware.measure_cpu_peaks(runs=1)
     assert 0.5 < peaks.bandwidth_gbs < 2000 and 0.001 < peaks.bf16_tflops < 100
     assert 0.0 <= hardware.machine_busy_fraction(0.05) <= 1.0
+
+
+def test_the_bandwidth_probe_is_sized_by_the_largest_cache(tmp_path, monkeypatch):
+    for index, size in enumerate(["48K", "1024K", "107520K", "junk"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert hardware.largest_cache_bytes(tmp_path) == 105 * 2**20
+    assert hardware.largest_cache_bytes(tmp_path / "missing") is None
+    for largest, megabytes in [(105 * 2**20, 210), (32 * 2**20, 64), (8 * 2**20, 64), (None, 256)]:
+        monkeypatch.setattr(hardware, "largest_cache_bytes", lambda largest=largest: largest)
+        assert hardware.bandwidth_probe_megabytes() == megabytes
