@@ -12,8 +12,9 @@ Every server is driven by tokenmill's streaming client (tokenmill/bench) with th
       being measured are paused (SIGSTOP) in every phase, as vLLM's idle workers spin
   W2  64 x 256 -> 128 all at once (total and output tok/s), one engine at a time
   W3  64 x 256 -> 128 at concurrency 16 (TTFT p99, ITL median), one engine at a time
-It also records peak RSS of each server's whole process tree and the seconds from launch to answering
-/v1/models (servers start one after another). Prints a table and one JSON line (ratios tokenmill / peer). Not in CI. Usage:
+It also records peak RSS of each server's whole process tree (through W1, and through all phases) and
+the seconds from launch to answering /v1/models (servers start one after another). Prints a table
+and one JSON line (ratios tokenmill / peer). Not in CI. Usage:
     python benchmarks/peers.py [--llama-server PATH] [--vllm-python PATH --hf-dir DIR] [--skip NAME ...]
 """
 
@@ -206,7 +207,7 @@ def run_engines(names: list[str], args: argparse.Namespace, prompts: dict[str, l
         results = []
         for server in servers:
             result = {
-                "engine": server.name, "ready_s": server.ready_s, "peak_rss_mb": server.sampler.peak,
+                "engine": server.name, "ready_s": server.ready_s, "peak_rss_w1_mb": server.sampler.peak,
                 "w1_ttft_ms": statistics.median(r["ttft_ms"]["median"] for r in w1[server.name]),
                 "w1_decode_tps": statistics.median(r["decode_tps_median"] for r in w1[server.name]),
                 "w2_total_tps": None, "w2_output_tps": None, "w3_ttft_p99_ms": None, "w3_itl_median_ms": None,
@@ -216,6 +217,8 @@ def run_engines(names: list[str], args: argparse.Namespace, prompts: dict[str, l
                 w3 = measure(server, prompts["w3"], args.output_len, args.concurrency)
                 result.update(w2_total_tps=w2["total_token_throughput"], w2_output_tps=w2["output_throughput"],
                               w3_ttft_p99_ms=w3["ttft_ms"]["p99"], w3_itl_median_ms=w3["itl_ms"]["median"])
+            # read after its last phase (until 2026-12-06 it was read before W2: start-up and W1 only)
+            result["peak_rss_mb"] = server.sampler.peak
             results.append(result)
         return results
     finally:
@@ -319,7 +322,8 @@ def main() -> None:
         engines.append("vllm")
     results = run_engines([name for name in engines if name not in args.skip], args, prompts)
 
-    columns = [("ready_s", "ready s", ".1f"), ("peak_rss_mb", "RSS MB", ".0f"), ("w1_ttft_ms", "W1 TTFT ms", ".0f"),
+    columns = [("ready_s", "ready s", ".1f"), ("peak_rss_w1_mb", "RSS W1 MB", ".0f"), ("peak_rss_mb", "RSS MB", ".0f"),
+               ("w1_ttft_ms", "W1 TTFT ms", ".0f"),
                ("w1_decode_tps", "W1 tok/s", ".1f"), ("w2_total_tps", "W2 total", ".0f"),
                ("w2_output_tps", "W2 out", ".0f"), ("w3_ttft_p99_ms", "W3 TTFT p99", ".0f"),
                ("w3_itl_median_ms", "W3 ITL ms", ".1f")]
