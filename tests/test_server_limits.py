@@ -14,6 +14,7 @@ from server_harness import read_event, start_server
 from tokenmill import SamplingParams
 
 API_KEY = "test-key-1234"
+CHAT = [{"role": "user", "content": "Tell me about mills."}]
 
 
 def slow_steps(seconds: float) -> str:
@@ -28,7 +29,6 @@ def slow_step(self):
     return _step(self)
 engine_core.LLMEngine.step = slow_step
 """
-CHAT = [{"role": "user", "content": "Tell me about mills."}]
 
 
 @pytest.fixture(scope="module")

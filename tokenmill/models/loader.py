@@ -109,8 +109,8 @@ def _load_weights(path: Path, dtype: torch.dtype, device: torch.device, max_mode
         net.load_weights(shard_weights(weights, config, shard, tables))
         wrap_parallel(net, config.vocab_size, shard, vocab_parallel_head(tables, config.tie_word_embeddings))
     net.eval()
-    # The weights' source holds a GGUF's mapping (its pages are resident once read: ~the file's
-    # size) and glibc keeps the loading's temporaries: both let go before repacking adds its own.
+    # Before repacking adds its own: the GGUF's mapping let go (its pages are resident once read,
+    # ~the file's size; only the weights' iterator holds the file) and glibc's kept temporaries trimmed.
     del weights
     release_free_memory()
     if quantization in ("int8", "int4"):  # the decoder layers' linears; embedding and head keep their dtype
