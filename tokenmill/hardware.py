@@ -231,9 +231,8 @@ def largest_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache"
     for entry in caches.glob("index*/size"):
         try:
             text = entry.read_text().strip().upper()
-            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1].isalpha()
-                         else int(text))
-        except (OSError, ValueError, KeyError, IndexError):
+            sizes.append(int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1))
+        except (OSError, ValueError):
             continue
     return max(sizes) if sizes else None
 
