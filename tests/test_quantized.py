@@ -350,7 +350,7 @@ def rounded_to_8_bits(x: torch.Tensor, group: int) -> torch.Tensor:
 
 @needs_gemm_q8
 @pytest.mark.parametrize("bits,group,cols", layouts([(4, 32), (8, 32), (8, 16), (4, 16), (8, 64), (4, 128)]))
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 64, 129])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 13, 64, 129])
 @pytest.mark.parametrize("outputs", [45, 96])  # a padded last block; an odd number of blocks (6) and 3 pairs
 def test_gemm_q8_kernel_equals_the_product_with_rows_rounded_to_8_bits(bits, group, cols, rows, outputs):
     """Many bf16 rows through vpdpbusd: exactly the float64 product of the weight with x rounded to
