@@ -13,11 +13,11 @@
 // The offset term takes the rounded activations too, so that their rounding error meets the
 // weight s u + o, centred, rather than s u alone (half the error on Q4_1-style weights).
 // Each thread takes a share of the 16-output blocks, a chunk of them (~256 KB of codes, in L2) at
-// a time, and runs 8 rows against one block in registers: 16 integer sums a group (two per row),
-// then 8 float accumulators. The per-group float step (convert, two scales, the offset) is what
-// keeps this from twice quant_gemm's speed. On the AMD EPYC (Zen 5), interleaved A/B runs of the
-// default model's four shapes at 2,048 rows: this tiling 1.17x the earlier 4 rows x 2 blocks with
-// one chain a row, and a group size fixed at compile time (unrolled) 1.10x more.
+// a time, and runs 4 rows against 2 blocks in registers: 16 integer sums a group (two per row and
+// block), then 8 float accumulators. The per-group float step (convert, two scales, the offset)
+// is what keeps this from twice quant_gemm's speed (a third of the time goes to it). On the AMD
+// EPYC (Zen 5), interleaved A/B runs of the default model's four shapes at 2,048 rows: two chains
+// and the unrolling 1.35-1.45x the kernel with one chain a row and the group size known at run time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,7 +39,8 @@ namespace {
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 using namespace tokenmill_q8;
 
-constexpr int64_t kRows = 8;  // activation rows in registers against one block of 16 outputs
+constexpr int64_t kRows = 4;           // activation rows in registers
+constexpr int64_t kBlocks = 2;         // output blocks in registers
 constexpr int64_t kChunkBytes = 256 << 10;  // codes of the blocks every row runs over in turn
 
 struct Activations {  // the rows quantized: q [M, K], d and d * sum q [M, K / G]
@@ -49,18 +50,24 @@ struct Activations {  // the rows quantized: q [M, K], d and d * sum q [M, K / G
   int64_t K, groups;
 };
 
-// isum[r][P] += w . the quad of row r at x (rows a stride apart), for every r.
-template <int R, int P>
-__attribute__((always_inline)) inline void multiply_quads(__m512i (&isum)[R][2], __m512i w, const int8_t* x,
-                                                          int64_t stride) {
-  for (int r = 0; r < R; ++r) isum[r][P] = _mm512_dpbusd_epi32(isum[r][P], w, broadcast4(x + r * stride));
+// isum[r][n][P] += w[n] . the quad of row r at x (rows a stride apart), for every r and n.
+template <int R, int NB, int P>
+__attribute__((always_inline)) inline void multiply_quads(__m512i (&isum)[R][NB][2], const __m512i (&w)[NB],
+                                                          const int8_t* x, int64_t stride) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512i x4 = broadcast4(x + r * stride);
+#pragma GCC unroll 8
+    for (int n = 0; n < NB; ++n) isum[r][n][P] = _mm512_dpbusd_epi32(isum[r][n][P], w[n], x4);
+  }
 }
 
-// Rows [m, m + R) against block b: out [R, 16] (row stride N), outputs below N. FIXED_G > 0 is the
-// group size known when compiling (32: every GGUF type but Q6_K, and ours), so that a group's
-// multiply-adds unroll; each row's integer sum of a group runs in two halves (two chains of
-// vpdpbusd, whose latency one chain waits on), added before the float step.
-template <int R, int BITS, int FIXED_G, typename S>
+// Rows [m, m + R) against blocks [b, b + NB): out [R, 16 NB] (row stride N), outputs below N.
+// FIXED_G > 0 is the group size known when compiling (32: every GGUF type but Q6_K, and ours), so
+// that a group's multiply-adds unroll; each sum of a group runs in two halves (two chains of
+// vpdpbusd: one chain waits on its latency), added before the float step. The unroll pragmas keep
+// the accumulators in registers (without them GCC kept a copy of each on the stack).
+template <int R, int NB, int BITS, int FIXED_G, typename S>
 void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* codes, const S* scales, const S* offsets,
           int64_t b, c10::BFloat16* out, int64_t N) {
   const int64_t G = FIXED_G > 0 ? FIXED_G : runtime_g;
@@ -69,50 +76,76 @@ void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* cod
   const float* d = a.d + m * groups;
   const float* sums = a.sums + m * groups;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 acc[R];
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][NB];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int n = 0; n < NB; ++n) acc[r][n] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i isum[R][2];
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
+    __m512i isum[R][NB][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int n = 0; n < NB; ++n) isum[r][n][0] = isum[r][n][1] = _mm512_setzero_si512();
     const int8_t* qg = q + g * G;
-    const uint8_t* cg = codes + (b * groups + g) * group_bytes;
+    const uint8_t* cg[NB];
+#pragma GCC unroll 8
+    for (int n = 0; n < NB; ++n) cg[n] = codes + ((b + n) * groups + g) * group_bytes;
     if constexpr (BITS == 4) {  // vector j: quad j in the low nibbles, quad j + G / 8 in the high ones
 #pragma GCC unroll 8
       for (int64_t j = 0; j < G / 8; ++j) {
-        const __m512i v = _mm512_loadu_si512(cg + 64 * j);
-        const __m512i low = _mm512_and_si512(v, nibble), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        multiply_quads<R, 0>(isum, low, qg + 4 * j, a.K);
-        multiply_quads<R, 1>(isum, high, qg + 4 * (j + G / 8), a.K);
+        __m512i low[NB], high[NB];
+#pragma GCC unroll 8
+        for (int n = 0; n < NB; ++n) {
+          const __m512i v = _mm512_loadu_si512(cg[n] + 64 * j);
+          low[n] = _mm512_and_si512(v, nibble);
+          high[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+        multiply_quads<R, NB, 0>(isum, low, qg + 4 * j, a.K);
+        multiply_quads<R, NB, 1>(isum, high, qg + 4 * (j + G / 8), a.K);
       }
     } else {  // G is a multiple of 16: quads in pairs
 #pragma GCC unroll 8
       for (int64_t j = 0; j < G / 4; j += 2) {
-        multiply_quads<R, 0>(isum, _mm512_loadu_si512(cg + 64 * j), qg + 4 * j, a.K);
-        multiply_quads<R, 1>(isum, _mm512_loadu_si512(cg + 64 * (j + 1)), qg + 4 * (j + 1), a.K);
+        __m512i even[NB], odd[NB];
+#pragma GCC unroll 8
+        for (int n = 0; n < NB; ++n) {
+          even[n] = _mm512_loadu_si512(cg[n] + 64 * j);
+          odd[n] = _mm512_loadu_si512(cg[n] + 64 * (j + 1));
+        }
+        multiply_quads<R, NB, 0>(isum, even, qg + 4 * j, a.K);
+        multiply_quads<R, NB, 1>(isum, odd, qg + 4 * (j + 1), a.K);
       }
     }
-    const __m512 s = load(scales + (b * groups + g) * kLanes, kLanes);
-    const __m512 o = load(offsets + (b * groups + g) * kLanes, kLanes);
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512i isum_r = _mm512_add_epi32(isum[r][0], isum[r][1]);
-      const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(isum_r), _mm512_set1_ps(d[r * groups + g]));
-      acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(sums[r * groups + g]), _mm512_fmadd_ps(dot, s, acc[r]));
+#pragma GCC unroll 8
+    for (int n = 0; n < NB; ++n) {
+      const __m512 s = load(scales + ((b + n) * groups + g) * kLanes, kLanes);
+      const __m512 o = load(offsets + ((b + n) * groups + g) * kLanes, kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i isum_rn = _mm512_add_epi32(isum[r][n][0], isum[r][n][1]);
+        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(isum_rn), _mm512_set1_ps(d[r * groups + g]));
+        acc[r][n] = _mm512_fmadd_ps(o, _mm512_set1_ps(sums[r * groups + g]), _mm512_fmadd_ps(dot, s, acc[r][n]));
+      }
     }
   }
-  const int64_t n0 = b * kLanes, width = std::min<int64_t>(kLanes, N - n0);
-  const __mmask16 keep = width == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
-  #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)  // vcvtneps2bf16 rounds to nearest even
-    _mm256_mask_storeu_epi16(out + r * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+#pragma GCC unroll 8
+  for (int n = 0; n < NB; ++n) {
+    const int64_t n0 = (b + n) * kLanes, width = std::min<int64_t>(kLanes, N - n0);
+    const __mmask16 keep = width == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)  // vcvtneps2bf16 rounds to nearest even
+      _mm256_mask_storeu_epi16(out + r * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][n]));
+  }
 }
 
 template <int R, int BITS, int FIXED_G, typename S>
 void blocks_for_rows(const Activations& a, int64_t m, int64_t G, const uint8_t* codes, const S* scales,
                      const S* offsets, int64_t begin, int64_t end, c10::BFloat16* out, int64_t N) {
-  for (int64_t b = begin; b < end; ++b) tile<R, BITS, FIXED_G, S>(a, m, G, codes, scales, offsets, b, out, N);
+  int64_t b = begin;
+  for (; b + kBlocks <= end; b += kBlocks)
+    tile<R, kBlocks, BITS, FIXED_G, S>(a, m, G, codes, scales, offsets, b, out, N);
+  if (b < end) tile<R, 1, BITS, FIXED_G, S>(a, m, G, codes, scales, offsets, b, out, N);
 }
 
 template <int BITS, int FIXED_G, typename S>
@@ -123,17 +156,14 @@ void run(const Activations& a, int64_t M, int64_t G, const at::Tensor& codes, co
   const S* scale_ptr = scales.data_ptr<S>();
   const S* offset_ptr = offsets.data_ptr<S>();
   c10::BFloat16* out_ptr = out.data_ptr<c10::BFloat16>();
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (kLanes * a.K * BITS / 8));
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c0 = begin; c0 < end; c0 += chunk) {
+  const int64_t chunk = std::max<int64_t>(kBlocks, kChunkBytes / (kLanes * a.K * BITS / 8) / kBlocks * kBlocks);
+  at::parallel_for(0, (blocks + kBlocks - 1) / kBlocks, 1, [&](int64_t pair_begin, int64_t pair_end) {
+    const int64_t end = std::min(blocks, pair_end * kBlocks);
+    for (int64_t c0 = pair_begin * kBlocks; c0 < end; c0 += chunk) {
       const int64_t c1 = std::min(end, c0 + chunk);
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows)
         blocks_for_rows<kRows, BITS, FIXED_G, S>(a, m, G, code_ptr, scale_ptr, offset_ptr, c0, c1, out_ptr + m * N, N);
-      if (m + 4 <= M) {
-        blocks_for_rows<4, BITS, FIXED_G, S>(a, m, G, code_ptr, scale_ptr, offset_ptr, c0, c1, out_ptr + m * N, N);
-        m += 4;
-      }
       for (; m < M; ++m)
         blocks_for_rows<1, BITS, FIXED_G, S>(a, m, G, code_ptr, scale_ptr, offset_ptr, c0, c1, out_ptr + m * N, N);
     }
