@@ -16,8 +16,9 @@
 // a time, and runs 4 rows against 2 blocks in registers: 16 integer sums a group (two per row and
 // block), then 8 float accumulators. The per-group float step (convert, two scales, the offset)
 // is what keeps this from twice quant_gemm's speed (a third of the time goes to it). On the AMD
-// EPYC (Zen 5), interleaved A/B runs of the default model's four shapes at 2,048 rows: two chains
-// and the unrolling 1.35-1.45x the kernel with one chain a row and the group size known at run time.
+// EPYC (Zen 5), interleaved A/B runs of the default model's four shapes: two chains and the
+// unrolling ~1.3x the kernel with one chain a sum and the group size known at run time at 2,048
+// rows, ~1.14x at 13 and 100 (README, "Against llama.cpp and vLLM").
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
