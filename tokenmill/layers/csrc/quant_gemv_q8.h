@@ -77,10 +77,12 @@ __attribute__((always_inline)) inline __m512i broadcast4(const int8_t* q) {
 // Blocks [b_begin, b_end) for ROWS activation rows, NB blocks at a time (independent chains of
 // multiply-adds: one waits on itself), into out[r * out_stride + 16 (b - b_begin) + i]. Each
 // group's integer sums go into two accumulators per part (low and high nibbles, or even and odd
-// quads), for the same reason.
-template <int ROWS, int NB, bool TWO_PARTS, int BITS, typename S>
+// quads), for the same reason. FIXED_G > 0: the group size known when compiling (gemv_for), so that a
+// group's loop unrolls.
+template <int ROWS, int NB, bool TWO_PARTS, int BITS, int FIXED_G, typename S>
 void gemv_blocks(const QuantizedRow* x, const uint8_t* codes, const S* scales, const S* offsets, int64_t b_begin,
-                 int64_t b_end, int64_t groups, int64_t G, float* out, int64_t out_stride) {
+                 int64_t b_end, int64_t groups, int64_t runtime_g, float* out, int64_t out_stride) {
+  const int64_t G = FIXED_G > 0 ? FIXED_G : runtime_g;
   constexpr int kParts = TWO_PARTS ? 2 : 1;
   const int64_t group_bytes = kLanes * G * BITS / 8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -104,6 +106,7 @@ void gemv_blocks(const QuantizedRow* x, const uint8_t* codes, const S* scales, c
         }
       }
       if constexpr (BITS == 4) {
+#pragma GCC unroll 8
         for (int64_t j = 0; j < G / 8; ++j) {
           __m512i low[NB], high[NB];
           for (int n = 0; n < NB; ++n) {
@@ -123,13 +126,23 @@ void gemv_blocks(const QuantizedRow* x, const uint8_t* codes, const S* scales, c
           }
         }
       } else {
-        for (int64_t j = 0; j < G / 4; ++j) {
-          __m512i w[NB];
-          for (int n = 0; n < NB; ++n) w[n] = _mm512_loadu_si512(codes + ((b + n) * groups + g) * group_bytes + 64 * j);
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < G / 4; j += 2) {  // G is a multiple of 16: quads in pairs, one per accumulator
+          // (a [j & 1] index in a loop GCC did not unroll put the accumulators on the stack)
+          const uint8_t* quads = codes + (b * groups + g) * group_bytes;
+          __m512i even[NB], odd[NB];
+          for (int n = 0; n < NB; ++n) {
+            even[n] = _mm512_loadu_si512(quads + n * groups * group_bytes + 64 * j);
+            odd[n] = _mm512_loadu_si512(quads + n * groups * group_bytes + 64 * (j + 1));
+          }
           for (int r = 0; r < ROWS; ++r) {
             for (int p = 0; p < kParts; ++p) {
-              const __m512i qa = broadcast4((p == 0 ? x[r].q : x[r].q2) + col + 4 * j);
-              for (int n = 0; n < NB; ++n) isum[r][n][p][j & 1] = _mm512_dpbusd_epi32(isum[r][n][p][j & 1], w[n], qa);
+              const int8_t* q = (p == 0 ? x[r].q : x[r].q2) + col + 4 * j;
+              const __m512i qa = broadcast4(q), qb = broadcast4(q + 4);
+              for (int n = 0; n < NB; ++n) {
+                isum[r][n][p][0] = _mm512_dpbusd_epi32(isum[r][n][p][0], even[n], qa);
+                isum[r][n][p][1] = _mm512_dpbusd_epi32(isum[r][n][p][1], odd[n], qb);
+              }
             }
           }
         }
@@ -153,7 +166,7 @@ void gemv_blocks(const QuantizedRow* x, const uint8_t* codes, const S* scales, c
   }
   if constexpr (NB > 1) {  // the last blocks, one at a time
     if (b < b_end)
-      gemv_blocks<ROWS, 1, TWO_PARTS, BITS, S>(x, codes, scales, offsets, b, b_end, groups, G,
+      gemv_blocks<ROWS, 1, TWO_PARTS, BITS, FIXED_G, S>(x, codes, scales, offsets, b, b_end, groups, G,
                                                out + (b - b_begin) * kLanes, out_stride);
   }
 }
@@ -163,19 +176,21 @@ using GemvFn = void (*)(const QuantizedRow*, const uint8_t*, const S*, const S*,
                         float*, int64_t);
 
 // Two blocks at a time while one or two rows leave registers for them.
+// FIXED_G 32 (every GGUF type but Q6_K, and ours) unrolls a group's multiply-adds.
 template <int ROWS, bool TWO, typename S>
-GemvFn<S> gemv_for(int64_t bits) {
+GemvFn<S> gemv_for(int64_t bits, int64_t G) {
   constexpr int NB = ROWS <= 2 ? 2 : 1;
-  return bits == 8 ? gemv_blocks<ROWS, NB, TWO, 8, S> : gemv_blocks<ROWS, NB, TWO, 4, S>;
+  if (G == 32) return bits == 8 ? gemv_blocks<ROWS, NB, TWO, 8, 32, S> : gemv_blocks<ROWS, NB, TWO, 4, 32, S>;
+  return bits == 8 ? gemv_blocks<ROWS, NB, TWO, 8, 0, S> : gemv_blocks<ROWS, NB, TWO, 4, 0, S>;
 }
 
 template <bool TWO, typename S>
-GemvFn<S> select_gemv(int64_t rows, int64_t bits) {
+GemvFn<S> select_gemv(int64_t rows, int64_t bits, int64_t G) {
   switch (rows) {
-    case 1: return gemv_for<1, TWO, S>(bits);
-    case 2: return gemv_for<2, TWO, S>(bits);
-    case 3: return gemv_for<3, TWO, S>(bits);
-    default: return gemv_for<4, TWO, S>(bits);
+    case 1: return gemv_for<1, TWO, S>(bits, G);
+    case 2: return gemv_for<2, TWO, S>(bits, G);
+    case 3: return gemv_for<3, TWO, S>(bits, G);
+    default: return gemv_for<4, TWO, S>(bits, G);
   }
 }
 
@@ -195,7 +210,7 @@ void multiply_blocks(const QuantizedRow* rows, int64_t M, const uint8_t* codes, 
   const int64_t width = (end - begin) * kLanes, n_end = std::min(N, end * kLanes);
   for (int64_t m = 0; m < M; m += kPassRows) {
     const int64_t count = std::min(kPassRows, M - m);
-    const GemvFn<S> gemv = two_parts ? select_gemv<true, S>(count, bits) : select_gemv<false, S>(count, bits);
+    const GemvFn<S> gemv = two_parts ? select_gemv<true, S>(count, bits, G) : select_gemv<false, S>(count, bits, G);
     gemv(rows + m, codes, scales, offsets, begin, end, groups, G, local, width);
     store_rows(local, width, out + m * N, N, count, begin * kLanes, n_end);
   }
