@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tokenmill.errors import InvalidParameterError
+from tokenmill.platform import release_free_memory
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,6 @@ def measure_cpu_peaks(runs: int = CPU_PEAKS_RUNS, between_runs: Callable[[], boo
             break
         best_bandwidth = max(best_bandwidth, measure_bandwidth_gbs())
         best_tflops = max(best_tflops, measure_matmul_tflops())
-    from tokenmill.platform import release_free_memory
-
     release_free_memory()  # the matmuls' operands: freed after a large free, glibc keeps them resident
     if best_bandwidth <= 0 or best_tflops <= 0:
         return None
