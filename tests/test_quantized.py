@@ -395,6 +395,28 @@ def test_few_rows_in_8_bits_equal_those_rows_in_a_batch(bits, group):
         assert torch.equal(few, batch[start : start + count])
 
 
+@needs_gemm_q8
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16), (4, 128)])
+@pytest.mark.parametrize("rows", [9, 13, 64])
+def test_gemm_q8_with_silu_and_mul_equals_the_product_then_silu_and_mul(bits, group, rows):
+    """A fused [gate; up] weight: silu(gate) * up computed in quant_gemm_q8's tiles is, bit for bit,
+    the [M, 2I] product followed by silu_and_mul (both round gate and up to bf16 first)."""
+    intermediate = 96  # 6 gate blocks, each with its up block 6 blocks on
+    q = random_weight(2 * intermediate, 256, bits, group, seed=rows + bits, half=rows % 2 == 0)
+    w = InterleavedWeight.from_rows(q)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(group)).bfloat16()
+    args = (w.codes, w.scales, w.offsets, bits, group, 2 * intermediate)
+    fused = torch.ops.tokenmill.quant_gemm_q8_silu_and_mul(x, *args)
+    product = torch.ops.tokenmill.quant_gemm_q8(x, *args)
+    assert fused.shape == (rows, intermediate) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, torch.ops.tokenmill.silu_and_mul(product))
+    gate, up = product.float().chunk(2, dim=-1)
+    torch.testing.assert_close(fused.float(), torch.nn.functional.silu(gate) * up, rtol=2**-7, atol=1e-6)
+    odd = InterleavedWeight.from_rows(random_weight(48, 256, bits, group))  # 3 blocks: no pairs
+    with pytest.raises(RuntimeError, match="multiple of 32 rows"):
+        torch.ops.tokenmill.quant_gemm_q8_silu_and_mul(x, odd.codes, odd.scales, odd.offsets, bits, group, 48)
+
+
 @needs_q8_kernel
 @pytest.mark.skipif(not gemm_backends(), reason="quant_gemm needs AVX-512 BF16")
 def test_which_kernel_many_bf16_rows_take(monkeypatch):

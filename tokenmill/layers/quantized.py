@@ -390,9 +390,15 @@ class QuantizedLinear(nn.Module):
         return lambda x: call(x, w, two_parts) + bias
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """As a fused [gate; up] projection: silu(gate) * up, inside the GEMMs when `batched` can."""
+        """As a fused [gate; up] projection: silu(gate) * up, inside the GEMMs when `batched` can, or
+        in quant_gemm_q8's tiles (the same values bit for bit, without the [M, 2I] product)."""
         if self.batched is not None and not uses_kernel(x) and hasattr(self.batched, "silu_and_mul"):
             return self.batched.silu_and_mul(x)
+        w = self.qweight
+        if (self.batched is None and self.bias is None and self.activation_bits == 8 and not uses_kernel(x)
+                and uses_gemm_kernel(x, w) and w.num_rows % 32 == 0 and _gemm_q8_kernel_available()):
+            return torch.ops.tokenmill.quant_gemm_q8_silu_and_mul.default(x, w.codes, w.scales, w.offsets, w.bits,
+                                                                          w.group_size, w.num_rows)
         return silu_and_mul(self(x))
 
     def extra_repr(self) -> str:

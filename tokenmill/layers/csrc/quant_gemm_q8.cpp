@@ -51,6 +51,12 @@ struct Activations {  // the rows quantized: q [M, K], d and d * sum q [M, K / G
   int64_t K, groups;
 };
 
+// v rounded to bf16 (to nearest even) and back.
+inline __m512 round_to_bf16(__m512 v) {
+  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // isum[r][n][P] += w[n] . the quad of row r at x (rows a stride apart), for every r and n.
 template <int R, int NB, int P>
 __attribute__((always_inline)) inline void multiply_quads(__m512i (&isum)[R][NB][2], const __m512i (&w)[NB],
@@ -63,14 +69,17 @@ __attribute__((always_inline)) inline void multiply_quads(__m512i (&isum)[R][NB]
   }
 }
 
-// Rows [m, m + R) against blocks [b, b + NB): out [R, 16 NB] (row stride N), outputs below N.
+// Rows [m, m + R) against blocks b, b + step, ... (NB of them): out [R, 16 NB] (row stride N),
+// outputs below N. SILU (NB = 2, a gate block and its up block): out [R, 16] is silu(gate) * up,
+// each rounded to bf16 first, as the unfused product and silu_and_mul round them.
 // FIXED_G > 0 is the group size known when compiling (32: every GGUF type but Q6_K, and ours), so
 // that a group's multiply-adds unroll; each sum of a group runs in two halves (two chains of
 // vpdpbusd: one chain waits on its latency), added before the float step. The unroll pragmas keep
 // the accumulators in registers (without them GCC kept a copy of each on the stack).
-template <int R, int NB, int BITS, int FIXED_G, typename S>
+template <int R, int NB, int BITS, int FIXED_G, bool SILU, typename S>
 void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* codes, const S* scales, const S* offsets,
-          int64_t b, c10::BFloat16* out, int64_t N) {
+          int64_t b, int64_t step, c10::BFloat16* out, int64_t N) {
+  static_assert(!SILU || NB == 2, "a silu tile pairs one gate block with one up block");
   const int64_t G = FIXED_G > 0 ? FIXED_G : runtime_g;
   const int64_t groups = a.groups, group_bytes = kLanes * G * BITS / 8;
   const int8_t* q = a.q + m * a.K;
@@ -91,7 +100,7 @@ void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* cod
     const int8_t* qg = q + g * G;
     const uint8_t* cg[NB];
 #pragma GCC unroll 8
-    for (int n = 0; n < NB; ++n) cg[n] = codes + ((b + n) * groups + g) * group_bytes;
+    for (int n = 0; n < NB; ++n) cg[n] = codes + ((b + n * step) * groups + g) * group_bytes;
     if constexpr (BITS == 4) {  // vector j: quad j in the low nibbles, quad j + G / 8 in the high ones
 #pragma GCC unroll 8
       for (int64_t j = 0; j < G / 8; ++j) {
@@ -120,8 +129,8 @@ void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* cod
     }
 #pragma GCC unroll 8
     for (int n = 0; n < NB; ++n) {
-      const __m512 s = load(scales + ((b + n) * groups + g) * kLanes, kLanes);
-      const __m512 o = load(offsets + ((b + n) * groups + g) * kLanes, kLanes);
+      const __m512 s = load(scales + ((b + n * step) * groups + g) * kLanes, kLanes);
+      const __m512 o = load(offsets + ((b + n * step) * groups + g) * kLanes, kLanes);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512i isum_rn = _mm512_add_epi32(isum[r][n][0], isum[r][n][1]);
@@ -130,53 +139,78 @@ void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* cod
       }
     }
   }
+  if constexpr (SILU) {  // out has N = the intermediate size columns; blocks of 16 (no tail)
+    const __m512 one = _mm512_set1_ps(1.0f);
 #pragma GCC unroll 8
-  for (int n = 0; n < NB; ++n) {
-    const int64_t n0 = (b + n) * kLanes, width = std::min<int64_t>(kLanes, N - n0);
-    const __mmask16 keep = width == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512 gate = round_to_bf16(acc[r][0]), up = round_to_bf16(acc[r][1]);
+      const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, tokenmill_vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + b * kLanes),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+    }
+  } else {
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)  // vcvtneps2bf16 rounds to nearest even
-      _mm256_mask_storeu_epi16(out + r * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][n]));
+    for (int n = 0; n < NB; ++n) {
+      const int64_t n0 = (b + n) * kLanes, width = std::min<int64_t>(kLanes, N - n0);
+      const __mmask16 keep = width == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)  // vcvtneps2bf16 rounds to nearest even
+        _mm256_mask_storeu_epi16(out + r * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][n]));
+    }
   }
 }
 
-template <int R, int BITS, int FIXED_G, typename S>
+// Rows [m, m + R) against the tiles of blocks [begin, end): pairs of neighbours, or (SILU) gate
+// block b with its up block b + `step`.
+template <int R, int BITS, int FIXED_G, bool SILU, typename S>
 void blocks_for_rows(const Activations& a, int64_t m, int64_t G, const uint8_t* codes, const S* scales,
-                     const S* offsets, int64_t begin, int64_t end, c10::BFloat16* out, int64_t N) {
-  int64_t b = begin;
-  for (; b + kBlocks <= end; b += kBlocks)
-    tile<R, kBlocks, BITS, FIXED_G, S>(a, m, G, codes, scales, offsets, b, out, N);
-  if (b < end) tile<R, 1, BITS, FIXED_G, S>(a, m, G, codes, scales, offsets, b, out, N);
+                     const S* offsets, int64_t begin, int64_t end, int64_t step, c10::BFloat16* out, int64_t N) {
+  if constexpr (SILU) {
+    for (int64_t b = begin; b < end; ++b)
+      tile<R, 2, BITS, FIXED_G, true, S>(a, m, G, codes, scales, offsets, b, step, out, N);
+  } else {
+    int64_t b = begin;
+    for (; b + kBlocks <= end; b += kBlocks)
+      tile<R, kBlocks, BITS, FIXED_G, false, S>(a, m, G, codes, scales, offsets, b, 1, out, N);
+    if (b < end) tile<R, 1, BITS, FIXED_G, false, S>(a, m, G, codes, scales, offsets, b, 1, out, N);
+  }
 }
 
-template <int BITS, int FIXED_G, typename S>
+// out [M, N] = the product, or (SILU) [M, N] = silu(gate) * up for the fused [gate; up] weight of
+// 2 N rows, where each thread takes gate blocks (and their up blocks).
+template <int BITS, int FIXED_G, bool SILU, typename S>
 void run(const Activations& a, int64_t M, int64_t G, const at::Tensor& codes, const at::Tensor& scales,
          const at::Tensor& offsets, at::Tensor& out) {
-  const int64_t N = out.size(1), blocks = codes.size(0);
+  const int64_t N = out.size(1), blocks = SILU ? codes.size(0) / 2 : codes.size(0);
   const uint8_t* code_ptr = codes.data_ptr<uint8_t>();
   const S* scale_ptr = scales.data_ptr<S>();
   const S* offset_ptr = offsets.data_ptr<S>();
   c10::BFloat16* out_ptr = out.data_ptr<c10::BFloat16>();
-  const int64_t chunk = std::max<int64_t>(kBlocks, kChunkBytes / (kLanes * a.K * BITS / 8) / kBlocks * kBlocks);
+  const int64_t block_bytes = kLanes * a.K * BITS / 8 * (SILU ? 2 : 1);
+  const int64_t chunk = std::max<int64_t>(kBlocks, kChunkBytes / block_bytes / kBlocks * kBlocks);
   at::parallel_for(0, (blocks + kBlocks - 1) / kBlocks, 1, [&](int64_t pair_begin, int64_t pair_end) {
     const int64_t end = std::min(blocks, pair_end * kBlocks);
     for (int64_t c0 = pair_begin * kBlocks; c0 < end; c0 += chunk) {
       const int64_t c1 = std::min(end, c0 + chunk);
       int64_t m = 0;
       for (; m + kRows <= M; m += kRows)
-        blocks_for_rows<kRows, BITS, FIXED_G, S>(a, m, G, code_ptr, scale_ptr, offset_ptr, c0, c1, out_ptr + m * N, N);
+        blocks_for_rows<kRows, BITS, FIXED_G, SILU, S>(a, m, G, code_ptr, scale_ptr, offset_ptr, c0, c1, blocks,
+                                                       out_ptr + m * N, N);
       for (; m < M; ++m)
-        blocks_for_rows<1, BITS, FIXED_G, S>(a, m, G, code_ptr, scale_ptr, offset_ptr, c0, c1, out_ptr + m * N, N);
+        blocks_for_rows<1, BITS, FIXED_G, SILU, S>(a, m, G, code_ptr, scale_ptr, offset_ptr, c0, c1, blocks,
+                                                   out_ptr + m * N, N);
     }
   });
 }
 
 #endif  // __AVX512VNNI__ && __AVX512BF16__
 
-at::Tensor quant_gemm_q8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                         const at::Tensor& offsets, int64_t bits, int64_t group_size, int64_t N) {
+// x [M, K] against the weight of `rows` outputs: [M, rows], or (silu) [M, rows / 2] = silu(gate) * up.
+at::Tensor multiply(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                    int64_t bits, int64_t group_size, int64_t rows, bool silu) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be a bfloat16 [M, K] matrix");
-  tokenmill_quant::check_interleaved(x_in, codes, scales, offsets, bits, group_size, N);
+  tokenmill_quant::check_interleaved(x_in, codes, scales, offsets, bits, group_size, rows);
+  TORCH_CHECK(!silu || rows % (2 * tokenmill_quant::kInterleavedLanes) == 0, "a fused [gate; up] weight needs a multiple of 32 rows");
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = group_size, groups = K / G;
@@ -188,25 +222,39 @@ at::Tensor quant_gemm_q8(const at::Tensor& x_in, const at::Tensor& codes, const 
       quantize_row(xs + m * K, K, G, {q.data() + m * K, nullptr, d.data() + m * groups, sums.data() + m * groups});
   });
   const Activations a{q.data(), d.data(), sums.data(), K, groups};
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, silu ? rows / 2 : rows}, x.options());
   const bool half = scales.scalar_type() == at::kHalf;
-  auto run_with = [&](auto bits_c, auto group_c) {
+  auto run_with = [&](auto bits_c, auto group_c, auto silu_c) {
     constexpr int B = decltype(bits_c)::value, FIXED_G = decltype(group_c)::value;
-    half ? run<B, FIXED_G, c10::Half>(a, M, G, codes, scales, offsets, out)
-         : run<B, FIXED_G, float>(a, M, G, codes, scales, offsets, out);
+    constexpr bool SILU = decltype(silu_c)::value;
+    half ? run<B, FIXED_G, SILU, c10::Half>(a, M, G, codes, scales, offsets, out)
+         : run<B, FIXED_G, SILU, float>(a, M, G, codes, scales, offsets, out);
+  };
+  auto with_silu = [&](auto bits_c, auto group_c) {
+    silu ? run_with(bits_c, group_c, std::true_type{}) : run_with(bits_c, group_c, std::false_type{});
   };
   using Four = std::integral_constant<int, 4>;
   using Eight = std::integral_constant<int, 8>;
   using Group32 = std::integral_constant<int, 32>;
   using AnyGroup = std::integral_constant<int, 0>;
   if (bits == 4)
-    G == 32 ? run_with(Four{}, Group32{}) : run_with(Four{}, AnyGroup{});
+    G == 32 ? with_silu(Four{}, Group32{}) : with_silu(Four{}, AnyGroup{});
   else
-    G == 32 ? run_with(Eight{}, Group32{}) : run_with(Eight{}, AnyGroup{});
+    G == 32 ? with_silu(Eight{}, Group32{}) : with_silu(Eight{}, AnyGroup{});
   return out;
 #else
   TORCH_CHECK(false, "quant_gemm_q8 needs a CPU with AVX-512 VNNI and BF16");
 #endif
+}
+
+at::Tensor quant_gemm_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const at::Tensor& offsets, int64_t bits, int64_t group_size, int64_t rows) {
+  return multiply(x, codes, scales, offsets, bits, group_size, rows, false);
+}
+
+at::Tensor quant_gemm_q8_silu_and_mul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                      const at::Tensor& offsets, int64_t bits, int64_t group_size, int64_t rows) {
+  return multiply(x, codes, scales, offsets, bits, group_size, rows, true);
 }
 
 }  // namespace
@@ -214,8 +262,11 @@ at::Tensor quant_gemm_q8(const at::Tensor& x_in, const at::Tensor& codes, const 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("quant_gemm_q8(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, int rows) "
         "-> Tensor");
+  m.def("quant_gemm_q8_silu_and_mul(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int bits, int group_size, "
+        "int rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("quant_gemm_q8", quant_gemm_q8);
+  m.impl("quant_gemm_q8_silu_and_mul", quant_gemm_q8_silu_and_mul);
 }
