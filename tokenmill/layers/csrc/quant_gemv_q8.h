@@ -39,35 +39,68 @@ struct QuantizedRow {
 // activations' sum), so that the offset term meets the rounding error too: the weight s u + o is
 // then multiplied centred, not s u alone (half the error on Q4_1-style weights), and one-part rows
 // give the same sums here as in quant_gemm_q8.cpp, bit for bit.
-// One part (row.q2 == nullptr) with groups of up to 64: as quantize_row below, bit for bit, with a
-// group's values loaded once and no float sum (X is then d * sum q): the batched kernel quantizes
-// every activation row of a prompt with this (~6% of a prefill's time before, ~3% now).
+// Lane j of the result: a[j]'s 16 lanes reduced by `op` (max or add, exact in any order), for 16
+// vectors at once: four rounds of shuffles, each halving the vectors, then one permutation.
+template <typename Op>
+inline __m512 reduce_each(__m512 (&a)[16], Op op) {
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i)  // quarters of a[2i] (lanes 0-7) and of a[2i + 1] (8-15), halved
+    c[i] = op(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter k: vector 4i + k's four partials
+    e[i] = op(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    f[i] = op(_mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0x44), _mm512_shuffle_ps(e[2 * i], e[2 * i + 1], 0xEE));
+  const __m512 g = op(_mm512_shuffle_ps(f[0], f[1], 0x88), _mm512_shuffle_ps(f[0], f[1], 0xDD));
+  // lane 4k + m now holds vector 4m + k
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, g);
+}
+
+// One part (row.q2 == nullptr), groups of 32: as quantize_row below, bit for bit (a maximum and an
+// integer sum are exact in any order), with each group's two horizontal reductions done for 16
+// groups at once (reduce_each) instead of one by one. The batched kernel quantizes every
+// activation row of a prompt with this.
 template <typename X>
-inline void quantize_row_one_part(const X* x, int64_t K, int64_t G, QuantizedRow row) {
-  const int64_t vectors = G / 16;
-  for (int64_t g = 0; g < K / G; ++g) {
-    __m512 v[4];
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < vectors; ++i) {
-      v[i] = load(x + g * G + 16 * i, 16);
-      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+inline void quantize_row_groups_of_32(const X* x, int64_t K, QuantizedRow row) {
+  const auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  const auto add = [](__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  };
+  for (int64_t g0 = 0; g0 < K / 32; g0 += 16) {
+    const int64_t n = std::min<int64_t>(16, K / 32 - g0);
+    const X* xg = x + g0 * 32;
+    __m512 top[16];
+    for (int64_t j = 0; j < 16; ++j)
+      top[j] = j < n ? _mm512_max_ps(_mm512_abs_ps(load(xg + 32 * j, 16)), _mm512_abs_ps(load(xg + 32 * j + 16, 16)))
+                     : _mm512_setzero_ps();
+    const __m512 tops = reduce_each(top, max);
+    const __m512 d = _mm512_div_ps(tops, _mm512_set1_ps(127.0f));
+    alignas(64) float inverse[16];
+    _mm512_store_ps(inverse, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(tops, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                 _mm512_set1_ps(127.0f), tops));
+    __m512 code_sums[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {
+        code_sums[j] = _mm512_setzero_ps();
+        continue;
+      }
+      const __m512 scale = _mm512_set1_ps(inverse[j]);
+      const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(load(xg + 32 * j, 16), scale));
+      const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(load(xg + 32 * j + 16, 16), scale));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + (g0 + j) * 32), _mm512_cvtsepi32_epi8(low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + (g0 + j) * 32 + 16), _mm512_cvtsepi32_epi8(high));
+      code_sums[j] = _mm512_castsi512_ps(_mm512_add_epi32(low, high));
     }
-    const float top = _mm512_reduce_max_ps(amax);
-    row.d[g] = top / 127.0f;
-    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-    __m512i code_sum = _mm512_setzero_si512();
-    for (int64_t i = 0; i < vectors; ++i) {
-      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inverse));
-      code_sum = _mm512_add_epi32(code_sum, rounded);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(row.q + g * G + 16 * i), _mm512_cvtsepi32_epi8(rounded));
-    }
-    row.sums[g] = row.d[g] * static_cast<float>(_mm512_reduce_add_epi32(code_sum));
+    const __m512i sums = _mm512_castps_si512(reduce_each(code_sums, add));
+    const __mmask16 groups = tokenmill_vec::first(n);
+    _mm512_mask_storeu_ps(row.d + g0, groups, d);
+    _mm512_mask_storeu_ps(row.sums + g0, groups, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sums)));
   }
 }
 
 template <typename X>
 inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
-  if (row.q2 == nullptr && G <= 64) return quantize_row_one_part(x, K, G, row);
+  if (row.q2 == nullptr && G == 32) return quantize_row_groups_of_32(x, K, row);
   for (int64_t g = 0; g < K / G; ++g) {
     __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
     for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
