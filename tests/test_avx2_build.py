@@ -24,7 +24,7 @@ from tokenmill.platform import cpu_flags
 
 TESTS = Path(__file__).parent
 # the files whose tests need the AVX2 build (its kernels, its decode step, its tolerances)
-AVX2_TEST_FILES = ["test_decode_attention_rows.py", "test_decode_plan.py", "test_quantized.py",
+AVX2_TEST_FILES = ["test_decode_attention_rows.py", "test_decode_plan.py", "test_fused_ops.py", "test_quantized.py",
                    "test_tensor_parallel.py", "test_invariance.py",
                    "test_default_model.py::test_default_path_follows_transformers_up_to_near_ties"]
 

@@ -46,6 +46,8 @@ def test_rms_norm_and_the_fused_residual_add(dtype, rows, monkeypatch):
     torch.testing.assert_close(fused_residual, want_residual, rtol=0, atol=0)  # the sum is rounded the same way
     torch.testing.assert_close(fused, want, rtol=tol, atol=tol)
     assert not torch.equal(fused_residual, residual)  # it was added to in place
+    # the sum is normalised as rounded and stored: bit for bit the plain norm of the stored sum
+    torch.testing.assert_close(fused, torch.ops.tokenmill.rms_norm(fused_residual, layer.weight, 1e-5), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -18,17 +18,16 @@ namespace tokenmill_rows {
 template <typename T, typename W>
 inline void norm_row(const T* x, T* residual, const W* w, T* y, int64_t hidden, double eps) {
   using namespace tokenmill_vec;
-  const T* r = x;
-  if (residual != nullptr) {
-    for (int64_t i = 0; i < hidden; i += 16) {
-      const int64_t n = std::min<int64_t>(16, hidden - i);
-      store(residual + i, add(load(residual + i, n), load(x + i, n)), n);
-    }
-    r = residual;
-  }
+  const T* r = residual != nullptr ? residual : x;
   Vec16 squares = zero();
   for (int64_t i = 0; i < hidden; i += 16) {
-    const Vec16 v = load(r + i, std::min<int64_t>(16, hidden - i));
+    const int64_t n = std::min<int64_t>(16, hidden - i);
+    Vec16 v = load(x + i, n);
+    if (residual != nullptr) {  // the sum squared as stored (reading it back stalled on the store)
+      const Vec16 sum = add(load(residual + i, n), v);
+      store(residual + i, sum, n);
+      v = as_stored<T>(sum);
+    }
     squares = fmadd(v, v, squares);
   }
   const float inv_rms = 1.0f / std::sqrt(reduce_add(squares) / static_cast<float>(hidden) + static_cast<float>(eps));
