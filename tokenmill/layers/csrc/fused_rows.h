@@ -49,16 +49,19 @@ inline void rotate_row(S* row, const float* cos, const float* sin, int64_t D) {
   }
 }
 
+// silu(g) * u, lane by lane (quant_gemm_q8.cpp's fused [gate; up] tiles call it too).
+inline tokenmill_vec::Vec16 silu_times(tokenmill_vec::Vec16 g, tokenmill_vec::Vec16 u) {
+  using namespace tokenmill_vec;
+  return mul(div(g, add(set1(1.0f), exp(sub(zero(), g)))), u);
+}
+
 // out[i] = silu(gate[i]) * gate[I + i] for i < I.
 template <typename S>
 inline void silu_and_mul_row(const S* gate, S* out, int64_t I) {
   using namespace tokenmill_vec;
-  const Vec16 one = set1(1.0f);
   for (int64_t i = 0; i < I; i += 16) {
     const int64_t n = std::min<int64_t>(16, I - i);
-    const Vec16 g = load(gate + i, n);
-    const Vec16 silu = div(g, add(one, exp(sub(zero(), g))));
-    store(out + i, mul(silu, load(gate + I + i, n)), n);
+    store(out + i, silu_times(load(gate + i, n), load(gate + I + i, n)), n);
   }
 }
 

@@ -41,6 +41,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "fused_rows.h"
 #include "quant_gemv_q8.h"
 #include "quant_layout.h"
 
@@ -151,13 +152,10 @@ void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* cod
     }
   }
   if constexpr (SILU) {  // out has N = the intermediate size columns; blocks of 16 (no tail)
-    const __m512 one = _mm512_set1_ps(1.0f);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 gate = round_to_bf16(acc[r][0]), up = round_to_bf16(acc[r][1]);
-      const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, tokenmill_vec::exp(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + b * kLanes),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up)));
+      const __m512 value = tokenmill_rows::silu_times(round_to_bf16(acc[r][0]), round_to_bf16(acc[r][1]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + b * kLanes), (__m256i)_mm512_cvtneps_pbh(value));
     }
   } else {
 #pragma GCC unroll 8
@@ -230,11 +228,12 @@ void run(const Activations& a, int64_t M, int64_t G, const at::Tensor& codes, co
 #endif  // __AVX512VNNI__ && __AVX512BF16__
 
 // x [M, K] against the weight of `rows` outputs: [M, rows], or (silu) [M, rows / 2] = silu(gate) * up.
-at::Tensor multiply(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
-                    int64_t bits, int64_t group_size, int64_t rows, bool silu) {
+at::Tensor multiply(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                    const at::Tensor& offsets, int64_t bits, int64_t group_size, int64_t rows, bool silu) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x must be a bfloat16 [M, K] matrix");
   tokenmill_quant::check_interleaved(x_in, codes, scales, offsets, bits, group_size, rows);
-  TORCH_CHECK(!silu || rows % (2 * tokenmill_quant::kInterleavedLanes) == 0, "a fused [gate; up] weight needs a multiple of 32 rows");
+  TORCH_CHECK(!silu || rows % (2 * tokenmill_quant::kInterleavedLanes) == 0,
+              "a fused [gate; up] weight needs a multiple of 32 rows");
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = group_size, groups = K / G;

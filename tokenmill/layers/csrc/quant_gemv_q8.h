@@ -35,10 +35,6 @@ struct QuantizedRow {
   float* sums;
 };
 
-// X[g] is the exact sum of x over the group with two parts; with one, d[g] * sum q (the rounded
-// activations' sum), so that the offset term meets the rounding error too: the weight s u + o is
-// then multiplied centred, not s u alone (half the error on Q4_1-style weights), and one-part rows
-// give the same sums here as in quant_gemm_q8.cpp, bit for bit.
 // Lane j of the result: a[j]'s 16 lanes reduced by `op` (max or add, exact in any order), for 16
 // vectors at once: four rounds of shuffles, each halving the vectors, then one permutation.
 template <typename Op>
@@ -98,6 +94,10 @@ inline void quantize_row_groups_of_32(const X* x, int64_t K, QuantizedRow row) {
   }
 }
 
+// X[g] is the exact sum of x over the group with two parts; with one, d[g] * sum q (the rounded
+// activations' sum), so that the offset term meets the rounding error too: the weight s u + o is
+// then multiplied centred, not s u alone (half the error on Q4_1-style weights), and one-part rows
+// give the same sums here as in quant_gemm_q8.cpp, bit for bit.
 template <typename X>
 inline void quantize_row(const X* x, int64_t K, int64_t G, QuantizedRow row) {
   if (row.q2 == nullptr && G == 32) return quantize_row_groups_of_32(x, K, row);

@@ -29,11 +29,15 @@ inline void store(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, firs
 inline void store(c10::Half* p, __m512 v, int64_t n) {
   _mm256_mask_storeu_epi16(p, first(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-inline void store(c10::BFloat16* p, __m512 v, int64_t n) {
-  const __m512i bits = _mm512_castps_si512(v);  // + 0x7FFF + the lowest kept bit: ties to even
+// v's float32 bits rounded to bf16 in the high half (the low half to be dropped): + 0x7FFF + the
+// lowest kept bit, ties to even.
+inline __m512i bf16_rounded_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm512_cvtepi32_epi16(rounded);
+  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+inline void store(c10::BFloat16* p, __m512 v, int64_t n) {
+  const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16));
   if (n >= 16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
   } else {
@@ -50,10 +54,8 @@ inline __m512 as_stored(__m512 v) {
   } else if constexpr (std::is_same_v<T, c10::Half>) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   } else {  // store()'s rounding, the low half cleared
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_rounded_bits(v), high_half));
   }
 }
 
