@@ -330,8 +330,13 @@ def _vnni_matmul(x: torch.Tensor, q: InterleavedWeight, two_parts: bool) -> torc
                                                      q.num_rows, two_parts)
 
 
+def _rounds_batch_to_8_bits(activation_bits: int | None) -> bool:
+    """Whether a batch that uses_gemm_kernel goes through quant_gemm_q8 (else quant_gemm)."""
+    return activation_bits == 8 and _gemm_q8_kernel_available()
+
+
 def _gemm_matmul(x: torch.Tensor, q: InterleavedWeight, activation_bits: int | None) -> torch.Tensor:
-    if activation_bits == 8 and _gemm_q8_kernel_available():
+    if _rounds_batch_to_8_bits(activation_bits):
         return torch.ops.tokenmill.quant_gemm_q8.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size,
                                                          q.num_rows)
     return torch.ops.tokenmill.quant_gemm.default(x, q.codes, q.scales, q.offsets, q.bits, q.group_size, q.num_rows)
@@ -395,8 +400,8 @@ class QuantizedLinear(nn.Module):
         if self.batched is not None and not uses_kernel(x) and hasattr(self.batched, "silu_and_mul"):
             return self.batched.silu_and_mul(x)
         w = self.qweight
-        if (self.batched is None and self.bias is None and self.activation_bits == 8 and not uses_kernel(x)
-                and uses_gemm_kernel(x, w) and w.num_rows % 32 == 0 and _gemm_q8_kernel_available()):
+        if (self.batched is None and self.bias is None and not uses_kernel(x) and uses_gemm_kernel(x, w)
+                and _rounds_batch_to_8_bits(self.activation_bits) and w.num_rows % 32 == 0):
             return torch.ops.tokenmill.quant_gemm_q8_silu_and_mul.default(x, w.codes, w.scales, w.offsets, w.bits,
                                                                           w.group_size, w.num_rows)
         return silu_and_mul(self(x))
