@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenmill.errors import DefaultModelMissingError, ModelLoadError
-from tokenmill.models.loader import load_model, weights_held_as
+from tokenmill.models.loader import linears_stay_quantized, load_model, weights_held_as
 from tokenmill.models.model_files import default_model_path
 
 CPU = torch.device("cpu")
@@ -112,6 +112,19 @@ def test_weights_held_as_counts_what_each_device_keeps():
     assert weights_held_as(None, True, torch.bfloat16, cuda) == "int4"  # torch's int4 matmul
     assert weights_held_as(None, True, torch.float32, cuda) is None  # dense copies
     assert weights_held_as("int8", False, torch.bfloat16, cuda) is None
+
+
+def test_linears_stay_quantized_for_a_gguf_or_when_asked(tiny_llama_dir, tmp_path):
+    from test_gguf import write_tiny_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, "llama")
+    assert linears_stay_quantized(str(gguf), None)
+    assert not linears_stay_quantized(str(gguf), "none")
+    assert not linears_stay_quantized(str(tiny_llama_dir), None)
+    assert linears_stay_quantized(str(tiny_llama_dir), "int8") and linears_stay_quantized(str(tiny_llama_dir), "int4")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        linears_stay_quantized(str(tmp_path / "missing"), None)
 
 
 def test_a_model_that_does_not_fit_is_refused_before_loading(tiny_llama_dir, monkeypatch):

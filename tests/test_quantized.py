@@ -334,8 +334,7 @@ def test_gemm_kernels_refuse_what_they_cannot_take(name):
             op(torch.randn(9, 64).bfloat16(), *args, 3)
 
 
-needs_gemm_q8 = pytest.mark.skipif(not (gemm_backends() and quant_gemv_q8_available()),
-                                   reason="quant_gemm_q8 needs AVX-512 VNNI and BF16")
+needs_gemm_q8 = pytest.mark.skipif(not quant_gemv_q8_available(), reason="quant_gemm_q8 needs AVX-512 VNNI")
 
 
 def rounded_to_8_bits(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -421,8 +420,8 @@ def test_gemm_q8_with_silu_and_mul_equals_the_product_then_silu_and_mul(bits, gr
 @pytest.mark.skipif(not gemm_backends(), reason="quant_gemm needs AVX-512 BF16")
 def test_which_kernel_many_bf16_rows_take(monkeypatch):
     """Past 8 rows an interleaved bf16 layer multiplies with quant_gemm where it is available (with
-    quant_gemm_q8 where that is and the layer rounds its rows to 8 bits), else with its weight
-    dequantized for the call (or a packed copy, where it was given one)."""
+    quant_gemm_q8 where that is and the layer rounds its rows to 8 bits, quant_gemm or not), else
+    with its weight dequantized for the call (or a packed copy, where it was given one)."""
     q = random_weight(64, 576, 4, 32)
     layer = QuantizedLinear(InterleavedWeight.from_rows(q))
     x = torch.randn(40, 576).bfloat16()
@@ -441,10 +440,13 @@ def test_which_kernel_many_bf16_rows_take(monkeypatch):
     w = layer.qweight
     assert torch.equal(layer(x), torch.ops.tokenmill.quant_gemm_q8(x, w.codes, w.scales, w.offsets, 4, 32, 64))
     assert calls == [40, 40, 40]
-    monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: False)
+    monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: False)  # CPUs without AVX-512 BF16
+    layer(x)
+    assert calls == [40, 40, 40, 40]
+    monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: False)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, q.dequantize(torch.bfloat16)), rtol=0,
                                atol=1e-2)
-    assert calls == [40, 40, 40]
+    assert calls == [40, 40, 40, 40]
 
 
 def test_interleaving_a_model_keeps_a_tied_table_shared():

@@ -22,6 +22,7 @@ from tokenmill.engine.scheduler_output import SchedulerOutput
 from tokenmill.engine.structured_output import GrammarCompiler
 from tokenmill.errors import EngineDeadError, InvalidParameterError
 from tokenmill.executor.base import Executor, create_executor
+from tokenmill.models.loader import linears_stay_quantized
 from tokenmill.outputs import OutputKind, RequestOutput
 from tokenmill.platform import (
     available_memory_bytes, limit_onednn_primitive_cache, resolve_device, resolve_dtype, set_cpu_threads,
@@ -37,7 +38,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device,
+                                   quantized_weights=linears_stay_quantized(config.model, config.quantization))
         if config.tensor_parallel_size < 1:
             raise InvalidParameterError("tensor_parallel_size must be at least 1", param="tensor_parallel_size")
         if self.device.type == "cpu":

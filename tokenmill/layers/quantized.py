@@ -280,10 +280,11 @@ def uses_kernel(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.shape[0] <= GEMV_MAX_ROWS and _kernel_available()
 
 
-def uses_gemm_kernel(x: torch.Tensor, qweight: AnyQuantizedWeight) -> bool:
-    """Whether x (many bf16 rows) against this weight goes through csrc/quant_gemm.cpp."""
+def uses_gemm_kernel(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bits: int | None) -> bool:
+    """Whether x (many bf16 rows) against this weight goes through csrc/quant_gemm.cpp, or
+    quant_gemm_q8.cpp for a layer rounding its rows to 8 bits (_rounds_batch_to_8_bits)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and isinstance(qweight, InterleavedWeight)
-            and _gemm_kernel_available())
+            and (_rounds_batch_to_8_bits(activation_bits) or _gemm_kernel_available()))
 
 
 def uses_batched_i8(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bits: int | None) -> bool:
@@ -303,7 +304,7 @@ def quantized_matmul(x: torch.Tensor, qweight: AnyQuantizedWeight, activation_bi
     and uses_batched_i8."""
     if uses_kernel(x):
         return _kernel_matmul(x, qweight, activation_bits)
-    if uses_gemm_kernel(x, qweight):
+    if uses_gemm_kernel(x, qweight, activation_bits):
         return _gemm_matmul(x, qweight, activation_bits)
     if uses_batched_i8(x, qweight, activation_bits):
         return _i8_matmul(x, qweight, activation_bits == 16)
@@ -369,7 +370,7 @@ class QuantizedLinear(nn.Module):
             out = _kernel_matmul(x, self.qweight, self.activation_bits)
         elif self.batched is not None:
             return self.batched(x)
-        elif uses_gemm_kernel(x, self.qweight):
+        elif uses_gemm_kernel(x, self.qweight, self.activation_bits):
             out = _gemm_matmul(x, self.qweight, self.activation_bits)
         elif uses_batched_i8(x, self.qweight, self.activation_bits):
             out = _i8_matmul(x, self.qweight, self.activation_bits == 16)
@@ -400,8 +401,9 @@ class QuantizedLinear(nn.Module):
         if self.batched is not None and not uses_kernel(x) and hasattr(self.batched, "silu_and_mul"):
             return self.batched.silu_and_mul(x)
         w = self.qweight
-        if (self.batched is None and self.bias is None and not uses_kernel(x) and uses_gemm_kernel(x, w)
-                and _rounds_batch_to_8_bits(self.activation_bits) and w.num_rows % 32 == 0):
+        if (self.batched is None and self.bias is None and not uses_kernel(x)
+                and uses_gemm_kernel(x, w, self.activation_bits) and _rounds_batch_to_8_bits(self.activation_bits)
+                and w.num_rows % 32 == 0):
             return torch.ops.tokenmill.quant_gemm_q8_silu_and_mul.default(x, w.codes, w.scales, w.offsets, w.bits,
                                                                           w.group_size, w.num_rows)
         return silu_and_mul(self(x))
@@ -457,9 +459,11 @@ def interleaving_pays(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def batches_read_codes(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether many rows multiply straight from the interleaved codes (csrc/quant_gemm.cpp), so
-    that quantized linears need no packed bf16 copy."""
-    return dtype == torch.bfloat16 and interleaving_pays(device, dtype) and _gemm_kernel_available()
+    """Whether many rows multiply straight from the interleaved codes (csrc/quant_gemm.cpp, or
+    quant_gemm_q8.cpp where the loader then rounds every layer's rows to 8 bits), so that quantized
+    linears need no packed bf16 copy."""
+    return (dtype == torch.bfloat16 and interleaving_pays(device, dtype)
+            and (_gemm_kernel_available() or _gemm_q8_kernel_available()))
 
 
 def rounds_rows_to_8_bits(device: torch.device, dtype: torch.dtype, dtype_was_auto: bool = False) -> bool:

@@ -139,6 +139,13 @@ def _open_weights(path: Path, quantization: str | None):
     return config, gguf_file.iter_tensors(config, keep_quantized=quantization is None)
 
 
+def linears_stay_quantized(model: str | None, quantization: str | None) -> bool:
+    """Whether the model's linear weights stay quantized in CPU memory: int8/int4 asked for, or a
+    GGUF's own (what dtype "auto" weighs, platform.resolve_dtype)."""
+    is_gguf = resolve_model_path(model).is_file()
+    return weights_held_as(quantization, is_gguf, torch.bfloat16, torch.device("cpu")) is not None
+
+
 def weights_held_as(quantization: str | None, is_gguf: bool, dtype: torch.dtype, device: torch.device) -> str | None:
     """How the linear weights are held once loaded, for check_fits_in_memory: "int8" or "int4"
     where they stay quantized (a GGUF's own mix counts as int4), None where they are dense in the

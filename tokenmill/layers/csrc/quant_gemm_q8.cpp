@@ -47,7 +47,7 @@
 
 namespace {
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if defined(__AVX512VNNI__)
 using namespace tokenmill_q8;
 
 constexpr int64_t kRows = 4;           // activation rows in registers
@@ -63,10 +63,19 @@ struct Activations {  // the rows quantized: q [M, K], d and d * sum q [M, K / G
   int64_t K, groups;
 };
 
-// v rounded to bf16 (to nearest even) and back.
+// v's 16 lanes as bf16 (rounded to nearest even): vcvtneps2bf16 where the CPU has AVX-512 BF16,
+// else the same rounding in integer steps (Ice Lake, Cascade Lake: VNNI without BF16).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(tokenmill_vec::bf16_rounded_bits(v), 16));
+#endif
+}
+
+// v rounded to bf16 and back.
 inline __m512 round_to_bf16(__m512 v) {
-  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
 }
 
 // isum[r][n][P] += w[n] . the quad of row r at x (rows a stride apart), for every r and n.
@@ -155,7 +164,7 @@ void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* cod
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512 value = tokenmill_rows::silu_times(round_to_bf16(acc[r][0]), round_to_bf16(acc[r][1]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + b * kLanes), (__m256i)_mm512_cvtneps_pbh(value));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + b * kLanes), to_bf16(value));
     }
   } else {
 #pragma GCC unroll 8
@@ -163,8 +172,7 @@ void tile(const Activations& a, int64_t m, int64_t runtime_g, const uint8_t* cod
       const int64_t n0 = (b + n) * kLanes, width = std::min<int64_t>(kLanes, N - n0);
       const __mmask16 keep = width == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)  // vcvtneps2bf16 rounds to nearest even
-        _mm256_mask_storeu_epi16(out + r * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(acc[r][n]));
+      for (int r = 0; r < R; ++r) _mm256_mask_storeu_epi16(out + r * N + n0, keep, to_bf16(acc[r][n]));
     }
   }
 }
@@ -225,7 +233,7 @@ void run(const Activations& a, int64_t M, int64_t G, const at::Tensor& codes, co
   });
 }
 
-#endif  // __AVX512VNNI__ && __AVX512BF16__
+#endif  // __AVX512VNNI__
 
 // x [M, K] against the weight of `rows` outputs: [M, rows], or (silu) [M, rows / 2] = silu(gate) * up.
 at::Tensor multiply(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
@@ -234,7 +242,7 @@ at::Tensor multiply(const at::Tensor& x_in, const at::Tensor& codes, const at::T
   tokenmill_quant::check_interleaved(x_in, codes, scales, offsets, bits, group_size, rows);
   TORCH_CHECK(!silu || rows % (2 * tokenmill_quant::kInterleavedLanes) == 0,
               "a fused [gate; up] weight needs a multiple of 32 rows");
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#if defined(__AVX512VNNI__)
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = group_size, groups = K / G;
   // (not zero-filled: every element is written first)
@@ -267,7 +275,7 @@ at::Tensor multiply(const at::Tensor& x_in, const at::Tensor& codes, const at::T
     G == 32 ? with_silu(Eight{}, Group32{}) : with_silu(Eight{}, AnyGroup{});
   return out;
 #else
-  TORCH_CHECK(false, "quant_gemm_q8 needs a CPU with AVX-512 VNNI and BF16");
+  TORCH_CHECK(false, "quant_gemm_q8 needs a CPU with AVX-512 VNNI");
 #endif
 }
 
