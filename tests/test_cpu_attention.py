@@ -165,7 +165,7 @@ def test_decode_only_metadata_equals_the_general_paths():
 
 def test_prefills_with_nothing_cached_skip_the_padded_bucket(monkeypatch):
     """Fresh chunks attend to their own keys (no bucket); chunks after cached tokens go to the paged
-    kernel as they are (bf16 on AVX-512 BF16 CPUs), else into the padded bucket."""
+    kernel as they are (bf16 on AVX-512 CPUs), else into the padded bucket."""
     geometry = CacheGeometry(block_size=16, num_blocks=40, num_kv_heads=3, num_query_groups=3, head_dim=64,
                              dtype=torch.bfloat16, device=torch.device("cpu"))
     # a fresh prompt, a decode, a chunk after 32 cached tokens, another fresh prompt

@@ -117,13 +117,13 @@ def test_default_model_batch_equals_alone(default_llm):
 
 def _bit_equal_by_default() -> bool:
     """Whether this CPU's default dtype has kernels that compute a prompt's rows as decode steps do,
-    bit for bit: bf16 on AVX-512 BF16 (csrc/prefill_attention.cpp), float32 on the AVX2 build
+    bit for bit: bf16 on AVX-512 (csrc/prefill_attention.cpp), float32 on the AVX2 build
     (decode_attention_rows for every token, quant_gemv_i8 for every batch, rows rounded to 8 bits)."""
     return prefill_attention_available() or (decode_attention_rows_available() and quant_gemm_i8_available())
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _bit_equal_by_default(), reason="bit-equal rows need the AVX-512 BF16 kernels or the AVX2 build")
+@pytest.mark.skipif(not _bit_equal_by_default(), reason="bit-equal rows need the AVX-512 kernels or the AVX2 build")
 def test_default_model_gives_the_same_bits_however_prompts_are_cut():
     """In the CPU's default dtype, not only the tokens but every log-probability: a prompt whose last
     token is computed alone (a 1-token chunk, a prefix hit leaving one token: the decode kernel's

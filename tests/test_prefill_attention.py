@@ -9,7 +9,7 @@ from tokenmill.layers import attention
 from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
 from tokenmill.layers.cpu_kernels import prefill_attention_available
 
-needs_kernel = pytest.mark.skipif(not prefill_attention_available(), reason="prefill_attention_ needs AVX-512 BF16")
+needs_kernel = pytest.mark.skipif(not prefill_attention_available(), reason="prefill_attention_ is the AVX-512 build's")
 
 
 def fused_qkv(tokens: int, heads: int, kv_heads: int, head_dim: int, seed: int):

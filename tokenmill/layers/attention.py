@@ -418,7 +418,7 @@ def rows_kernel_applies(geometry: CacheGeometry) -> bool:
 
 def prefill_kernel_applies(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether prompt chunks attend through csrc/prefill_attention.cpp (fresh ones here, those after
-    cached tokens in cpu_attention.py): bf16 on CPUs with AVX-512 BF16, head_dim a multiple of 32."""
+    cached tokens in cpu_attention.py): bf16 on AVX-512 CPUs, head_dim a multiple of 32."""
     return device.type == "cpu" and dtype == torch.bfloat16 and head_dim % 32 == 0 and _prefill_kernel_available()
 
 

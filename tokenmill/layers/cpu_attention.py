@@ -4,7 +4,7 @@ The pure-PyTorch decode gathers every sequence's keys into a contiguous copy bef
 matmul: on the default model at batch 64 that copy and the value bags cost ~45 ms of a ~120 ms
 step on 2 cores. The kernel reads keys and values in place through the block table, once each,
 with no horizontal sums (keys are stored by column): ~20 ms. Prefill chunks after cached tokens
-(prefix-cache hits, the later chunks of a long prompt), in bf16 on AVX-512 BF16 CPUs, go through
+(prefix-cache hits, the later chunks of a long prompt), in bf16, go through
 csrc/prefill_attention.cpp's paged op, reading the cache through the block table as they are: no
 gathered copy, no padding to the longest chunk or context, no mask (elsewhere: the padded SDPA).
 

@@ -4,7 +4,7 @@ One extension holds them all: paged decode attention (paged_decode.cpp), quantiz
 matrix-vector products with float32 activations (quant_gemv.cpp) and, on CPUs with AVX-512
 VNNI, with 8-bit ones (quant_gemv_q8.cpp), the same weights against many bf16 rows on AMX or
 AVX-512 BF16 (quant_gemm.cpp) or, without AMX, with the rows rounded to 8 bits on VNNI
-(quant_gemm_q8.cpp), causal attention of bf16 prompt chunks on AVX-512 BF16 (prefill_attention.cpp),
+(quant_gemm_q8.cpp), causal attention of bf16 prompt chunks (prefill_attention.cpp),
 and the small fused steps of every layer
 (fused_ops.cpp: RMSNorm with the residual add, rotary, SiLU-and-multiply, the KV-cache write).
 The build takes ~15 s once and is cached by torch.utils.cpp_extension under
@@ -129,8 +129,9 @@ def decode_attention_rows_available() -> bool:
 
 @functools.cache
 def prefill_attention_available() -> bool:
-    """prefill_attention_ and paged_prefill_attention_ (bf16 prompt chunks) need AVX-512 BF16."""
-    return kernels_available() and "avx512_bf16" in cpu_flags()
+    """prefill_attention_ and paged_prefill_attention_ (bf16 prompt chunks): the AVX-512 build's
+    (vdpbf16ps with AVX-512 BF16, two FMAs a pair without)."""
+    return kernels_available()
 
 
 @functools.cache

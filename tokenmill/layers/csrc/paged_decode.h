@@ -60,12 +60,6 @@ void rows_to_float(const T* rows, int64_t n, int64_t head_dim, float* dst) {
   }
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kBf16Dot = true;
-#else
-constexpr bool kBf16Dot = false;
-#endif
-
 // Scores of n <= 16 consecutive tokens of one key block for every query head of the group.
 // `column` points at dimension pair 0 of the first token: pair d of token r is at column + (d * block_size + r) * 2.
 template <typename T>
@@ -75,7 +69,6 @@ __attribute__((always_inline)) inline void scores16(const T* column, int64_t n, 
 #pragma GCC unroll 8
   for (int64_t h = 0; h < kMaxGroups; ++h)
     if (h < groups) acc[h] = _mm512_setzero_ps();
-#if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q);  // (q[2d], q[2d+1]) per 32-bit word
     __m512 odd[kMaxGroups];  // odd pairs in a second chain: each multiply-add waits on its own
@@ -83,14 +76,14 @@ __attribute__((always_inline)) inline void scores16(const T* column, int64_t n, 
     for (int64_t h = 0; h < kMaxGroups; ++h)
       if (h < groups) odd[h] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_dim / 2; d += 2) {  // head_dim / 2 is even: head_dim is a multiple of 16
-      const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi32(valid, column + d * block_size * 2);
-      const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi32(valid, column + (d + 1) * block_size * 2);
+      const __m512i k0 = _mm512_maskz_loadu_epi32(valid, column + d * block_size * 2);
+      const __m512i k1 = _mm512_maskz_loadu_epi32(valid, column + (d + 1) * block_size * 2);
 #pragma GCC unroll 8
       for (int64_t h = 0; h < kMaxGroups; ++h) {
         if (h < groups) {
           const uint32_t* qh = q_pairs + h * head_dim / 2 + d;
-          acc[h] = _mm512_dpbf16_ps(acc[h], k0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qh[0])));
-          odd[h] = _mm512_dpbf16_ps(odd[h], k1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qh[1])));
+          acc[h] = tokenmill_vec::dot_bf16_pairs(acc[h], k0, _mm512_set1_epi32(static_cast<int>(qh[0])));
+          odd[h] = tokenmill_vec::dot_bf16_pairs(odd[h], k1, _mm512_set1_epi32(static_cast<int>(qh[1])));
         }
       }
     }
@@ -99,8 +92,7 @@ __attribute__((always_inline)) inline void scores16(const T* column, int64_t n, 
       if (h < groups) acc[h] = _mm512_add_ps(acc[h], odd[h]);
     return;
   }
-#endif
-  // Other dtypes (and bf16 without AVX512-BF16), in fp32: split each pair into even and odd dimensions
+  // Other dtypes, in fp32: split each pair into even and odd dimensions
   const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd_index = _mm512_add_epi32(even_index, _mm512_set1_epi32(1));
   const int64_t first = std::min<int64_t>(2 * n, 16), second = std::max<int64_t>(2 * n - 16, 0);  // values
@@ -178,7 +170,6 @@ inline void pv_rows_float(const T* rows, int64_t n, const float* probs, int64_t 
   }
 }
 
-#if defined(__AVX512BF16__)
 // probs[r] * V[r] for up to 16 bf16 rows, added into acc with the bf16 pair dot product: rows
 // 2i and 2i+1 are interleaved (unpacklo/hi_epi16) so that each 32-bit lane holds one dimension
 // of both rows, and multiplied by the probability pair (p[2i], p[2i+1]). The interleave permutes
@@ -190,7 +181,7 @@ inline void pv_rows_bf16(const c10::BFloat16* rows, int64_t n, const float* prob
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
   for (int64_t h = 0; h < groups; ++h)
     _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]),
-                       (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, probs + h * probs_stride)));
+                       tokenmill_vec::to_bf16(_mm512_maskz_loadu_ps(valid, probs + h * probs_stride)));
   const int64_t chunks = (head_dim + 31) / 32;
   for (int64_t c = 0; c < chunks; ++c) {
     const __mmask32 lanes = head_dim - c * 32 >= 32 ? ~__mmask32(0) : __mmask32(0xFFFF);
@@ -201,13 +192,13 @@ inline void pv_rows_bf16(const c10::BFloat16* rows, int64_t n, const float* prob
     for (int64_t i = 0; 2 * i < n; ++i) {
       const __m512i a = _mm512_maskz_loadu_epi16(lanes, rows + 2 * i * head_dim + c * 32);
       const __m512i b = _mm512_maskz_loadu_epi16(lanes, rows + std::min(2 * i + 1, n - 1) * head_dim + c * 32);
-      const __m512bh ab_lo = (__m512bh)_mm512_unpacklo_epi16(a, b), ab_hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      const __m512i ab_lo = _mm512_unpacklo_epi16(a, b), ab_hi = _mm512_unpackhi_epi16(a, b);
 #pragma GCC unroll 8
       for (int64_t h = 0; h < kMaxGroups; ++h) {
         if (h < groups) {
-          const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[h][i]));
-          lo[h] = _mm512_dpbf16_ps(lo[h], ab_lo, w);
-          hi[h] = _mm512_dpbf16_ps(hi[h], ab_hi, w);
+          const __m512i w = _mm512_set1_epi32(static_cast<int>(pairs[h][i]));
+          lo[h] = tokenmill_vec::dot_bf16_pairs(lo[h], ab_lo, w);
+          hi[h] = tokenmill_vec::dot_bf16_pairs(hi[h], ab_hi, w);
         }
       }
     }
@@ -227,7 +218,6 @@ inline void unpermute_pairs(const __m512* acc, int64_t head_dim, float* dst) {
       dst[c * 32 + d] = halves[(d % 8) / 4][(d / 8) * 4 + d % 4];
   }
 }
-#endif
 
 // out[head0 + h] = sum_t p0[h * stride + t] V[t] over the first len tokens of one (sequence, kv head) item.
 template <typename T>
@@ -235,30 +225,26 @@ void pv_item(const Geometry& g, const float* p0, int64_t stride, const T* v_ptr,
              int64_t kv, int64_t len, T* o_ptr) {
   const int64_t block_elems = g.block_size * g.head_dim;
   const int64_t head0 = b * g.num_heads + kv * g.groups;
-  constexpr bool direct = kBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  constexpr bool direct = std::is_same_v<T, c10::BFloat16>;
   alignas(64) float acc[kMaxGroups * (kMaxHeadDim + 32)];  // direct: [groups][chunks][2] vectors
   alignas(64) float rows_float[kRows * kMaxHeadDim];
   alignas(64) float plain[kMaxHeadDim];
   std::fill(acc, acc + g.groups * (g.head_dim + 32), 0.f);
   const T* cache = v_ptr + kv * g.num_blocks * block_elems;
   for_each_run(g, cache, table + b * g.max_blocks, len, [&](const T* block, int64_t r0, int64_t t0, int64_t n) {
-#if defined(__AVX512BF16__)
     if constexpr (direct) {
       pv_rows_bf16(block + r0 * g.head_dim, n, p0 + t0, stride, g.groups, g.head_dim, reinterpret_cast<__m512*>(acc));
       return;
     }
-#endif
     pv_rows_float(block + r0 * g.head_dim, n, p0 + t0, stride, g.groups, g.head_dim, acc, rows_float);
   });
   for (int64_t h = 0; h < g.groups; ++h) {
     const float* sums = acc + h * g.head_dim;
-#if defined(__AVX512BF16__)
     if constexpr (direct) {
       const int64_t chunks = (g.head_dim + 31) / 32;
       unpermute_pairs(reinterpret_cast<const __m512*>(acc) + h * chunks * 2, g.head_dim, plain);
       sums = plain;
     }
-#endif
     store_row(o_ptr + (head0 + h) * g.head_dim, sums, g.head_dim);
   }
 }

@@ -1,5 +1,5 @@
-// Causal attention of prompt chunks, bf16, on AVX-512 BF16 (vdpbf16ps: 16 lanes, each summing two
-// bf16 products):
+// Causal attention of prompt chunks, bf16, on AVX-512 (vdpbf16ps where the CPU has AVX-512 BF16: 16
+// lanes, each summing two bf16 products; elsewhere vec_math.h's dot_bf16_pairs, two FMAs):
 //
 //   prefill_attention_(out [T, H * D] bf16, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D],
 //                      starts int64 [C], lengths int64 [C], scale)
@@ -55,8 +55,6 @@ struct Chunk {
 
 inline int64_t padded(int64_t length) { return (length + 2 * kKeyBlock - 1) / (2 * kKeyBlock) * (2 * kKeyBlock); }
 
-#if defined(__AVX512BF16__)
-
 // L keys -> [Lp / 16][D / 2][16][2] and their values -> [Lp / 2][D][2], zero past L. key(j): key j's
 // column pair 0 (pair p is pair_stride further on); value(j): value j's row.
 template <typename Key, typename Value>
@@ -77,7 +75,8 @@ void pack(Key key, int64_t pair_stride, Value value, int64_t L, int64_t D, uint1
   }
 }
 
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+using tokenmill_vec::dot_bf16_pairs;
+using tokenmill_vec::to_bf16;
 
 inline __m512i pair_of(const uint16_t* p) {
   int32_t pair;
@@ -108,8 +107,8 @@ void scores(const uint16_t* q, int64_t q_stride, const uint16_t* keys, int64_t b
       for (int r = 0; r < R; ++r)
         for (int e = 0; e < 2; ++e) {
           const __m512i x = pair_of(q + r * q_stride + 2 * (p + e));
-          acc[r][0][e] = _mm512_dpbf16_ps(acc[r][0][e], as_bh(w[0][e]), as_bh(x));
-          acc[r][1][e] = _mm512_dpbf16_ps(acc[r][1][e], as_bh(w[1][e]), as_bh(x));
+          acc[r][0][e] = dot_bf16_pairs(acc[r][0][e], w[0][e], x);
+          acc[r][1][e] = dot_bf16_pairs(acc[r][1][e], w[1][e], x);
         }
     }
     for (int r = 0; r < R; ++r)
@@ -125,7 +124,7 @@ void scores(const uint16_t* q, int64_t q_stride, const uint16_t* keys, int64_t b
       for (int e = 0; e < 2; ++e) {
         const __m512i w0 = _mm512_loadu_si512(k0 + (p + e) * 2 * kKeyBlock);
         for (int r = 0; r < R; ++r)
-          acc[r][e] = _mm512_dpbf16_ps(acc[r][e], as_bh(w0), as_bh(pair_of(q + r * q_stride + 2 * (p + e))));
+          acc[r][e] = dot_bf16_pairs(acc[r][e], w0, pair_of(q + r * q_stride + 2 * (p + e)));
       }
     for (int r = 0; r < R; ++r)
       _mm512_storeu_ps(S + r * s_stride + b * kKeyBlock, _mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scaled));
@@ -150,7 +149,7 @@ inline void softmax_row(float* s, int64_t n, int64_t n_pad, uint16_t* p) {
   const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
   for (int64_t j = 0; j < n_pad; j += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + j), inverse)));
+                        to_bf16(_mm512_mul_ps(_mm512_loadu_ps(s + j), inverse)));
 }
 
 // out rows (stride out_stride, columns [0, D)) = P [R][pairs * 2] V.
@@ -168,13 +167,13 @@ void weighted_values(const uint16_t* P, int64_t p_stride, const uint16_t* values
       for (int i = 0; i < 4; ++i) w[i] = i < vectors ? _mm512_loadu_si512(row + 32 * i) : _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) {
         const __m512i x = pair_of(P + r * p_stride + 2 * j);
-        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], as_bh(w[i]), as_bh(x));
+        for (int i = 0; i < 4; ++i) acc[r][i] = dot_bf16_pairs(acc[r][i], w[i], x);
       }
     }
     for (int r = 0; r < R; ++r)
       for (int i = 0; i < vectors; ++i)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride + d0 + 16 * i),
-                            (__m256i)_mm512_cvtneps_pbh(acc[r][i]));
+                            to_bf16(acc[r][i]));
   }
 }
 
@@ -234,7 +233,6 @@ void run(at::Tensor& out, const at::Tensor& q, int64_t Hkv, const std::vector<Ch
     }
   });
 }
-#endif  // __AVX512BF16__
 
 void check_queries(const at::Tensor& out, const at::Tensor& q, int64_t Hkv) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 2, "q: [T, heads, D]; out: [T, H * D]");
@@ -280,7 +278,6 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T && k.size(2) == D, "k and v must be [T, Hkv, D] alike");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 && v.stride(1) == D,
               "heads and columns of k and v must be contiguous");
-#if defined(__AVX512BF16__)
   int64_t packed_total = 0;
   const std::vector<Chunk> chunks = chunks_of(starts, lengths, nullptr, T, T, packed_total);
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>());
@@ -293,9 +290,6 @@ void prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& 
       pack([&](int64_t j) { return k0 + j * k_stride; }, 2, [&](int64_t j) { return v0 + j * v_stride; }, c.length,
            D, keys, values);
     });
-#else
-  TORCH_CHECK(false, "prefill_attention_ needs a CPU with AVX-512 BF16");
-#endif
 }
 
 void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -311,7 +305,6 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.is_contiguous() &&
                   block_table.size(0) == starts.size(0),
               "block_table: contiguous int64 [C, max_blocks]");
-#if defined(__AVX512BF16__)
   int64_t packed_total = 0;
   const int64_t max_blocks = block_table.size(1);
   const std::vector<Chunk> chunks =
@@ -328,9 +321,6 @@ void paged_prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Te
       pack([&](int64_t j) { return kp + block(j) + (j % bs) * 2; }, 2 * bs,
            [&](int64_t j) { return vp + block(j) + (j % bs) * D; }, c.keys(), D, keys, values);
     });
-#else
-  TORCH_CHECK(false, "paged_prefill_attention_ needs a CPU with AVX-512 BF16");
-#endif
 }
 
 }  // namespace

@@ -63,15 +63,7 @@ struct Activations {  // the rows quantized: q [M, K], d and d * sum q [M, K / G
   int64_t K, groups;
 };
 
-// v's 16 lanes as bf16 (rounded to nearest even): vcvtneps2bf16 where the CPU has AVX-512 BF16,
-// else the same rounding in integer steps (Ice Lake, Cascade Lake: VNNI without BF16).
-inline __m256i to_bf16(__m512 v) {
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(tokenmill_vec::bf16_rounded_bits(v), 16));
-#endif
-}
+using tokenmill_vec::to_bf16;
 
 // v rounded to bf16 and back.
 inline __m512 round_to_bf16(__m512 v) {

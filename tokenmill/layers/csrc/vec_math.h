@@ -45,6 +45,32 @@ inline void store(c10::BFloat16* p, __m512 v, int64_t n) {
   }
 }
 
+// v's 16 lanes as bf16 (to nearest even): vcvtneps2bf16 where the CPU has AVX-512 BF16, else
+// bf16_rounded_bits (Ice Lake, Cascade Lake).
+inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16));
+#endif
+}
+
+// acc + a . b per 32-bit lane, a and b each holding a pair of bf16 values there: vdpbf16ps where
+// the CPU has AVX-512 BF16, else the same two products (each exact in float32) added in the order
+// Intel's manual gives for it, odd elements first, so that our attention kernels compute a row's
+// bits the same way in prefill and decode on every AVX-512 CPU.
+inline __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)), _mm512_castsi512_ps(_mm512_and_si512(b, high)),
+                        acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)),
+                         acc);
+#endif
+}
+
 // v as store() then load() would give it back in T, without the round trip through memory (a
 // load right after a narrowing store of the same bytes waits for that store to complete).
 template <typename T>
