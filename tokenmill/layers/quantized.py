@@ -23,7 +23,9 @@ through csrc/quant_gemm.cpp, which dequantizes the interleaved weight into cache
 panels as it multiplies (on AMX tiles, else vdpbf16ps), so no bf16 copy of the weights is kept
 (cpu_kernels.quant_gemm_available says where); on CPUs with VNNI but no AMX (unless
 TOKENMILL_INT8_GEMM=0), through csrc/quant_gemm_q8.cpp instead, which rounds the rows to 8 bits per group and
-multiplies the codes with vpdpbusd (~1.1-1.35x; +0.3-0.4% perplexity over the bf16 products); the
+multiplies the codes with vpdpbusd (~1.1-1.35x; +0.3-0.4% perplexity over the bf16 products), AVX-512 BF16
+or not (Ice Lake and Cascade Lake have VNNI without it: dtype "auto" gives quantized models bf16 there,
+platform.resolve_dtype); the
 loader then sets every layer's activation_bits to 8 (round_rows_like_batches), which is what
 sends its batches there, and its few rows get the same rounding, bit for bit. Elsewhere they use `batched`, a dense module over the dequantized weight that
 layers/linear.py packs for oneDNN once at load on bf16 CPUs; where there is none, a call
