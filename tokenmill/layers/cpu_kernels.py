@@ -158,9 +158,8 @@ def quant_gemm_q8_available() -> bool:
     measured faster (1.1-1.3x on the linears; 1.33x at 2,048 rows on Zen 5 since 2026-12-06), and
     on those without AVX-512 BF16 (Ice Lake, Cascade Lake), where quant_gemm has no backend at all;
     TOKENMILL_INT8_GEMM=0 keeps the bf16 products (or, without them, a bf16 copy of the weights).
-    The loader then rounds few-row
-    products to the same 8 bits (quantized.round_rows_like_batches), so caching and batching do
-    not change greedy text. The cost: the default model's logits sit about twice as far from
+    The loader then rounds few-row products to the same 8 bits (quantized.round_rows_like_batches),
+    so caching and batching do not change greedy text. The cost: the default model's logits sit about twice as far from
     float32's as with bf16 products (its Q4_1 perplexity +0.54% over bf16's, against +0.19% with
     bf16 products; tests/test_default_model.py states the bounds)."""
     if (os.environ.get("TOKENMILL_INT8_GEMM", "auto") == "0" or os.environ.get("TOKENMILL_QUANT_GEMM", "auto") == "0"

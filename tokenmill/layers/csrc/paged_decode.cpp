@@ -7,8 +7,9 @@
 //   decode_attention: rotary and the KV write, then paged_decode, from the fused q/k/v (what a
 //                    decode step calls)
 // Work is split over (sequence, kv head): each
-// cache block is read once for all query heads of its group (GQA). With AVX512-BF16, bf16 caches
-// use the bf16 pair dot-product instruction (fp32 accumulation); other dtypes convert to fp32.
+// cache block is read once for all query heads of its group (GQA). bf16 caches use the bf16 pair
+// dot product (vdpbf16ps, or its two FMAs without AVX-512 BF16: vec_math.h's dot_bf16_pairs; fp32
+// accumulation); other dtypes convert to fp32.
 //
 // Layouts, per layer (head_dim a multiple of 16):
 //   values: [num_kv_heads, num_blocks, block_size, head_dim]        (rows, as PyTorch's path)
