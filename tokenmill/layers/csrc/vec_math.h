@@ -36,8 +36,10 @@ inline __m512i bf16_rounded_bits(__m512 v) {
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
 }
+// v's 16 lanes as bf16 with that rounding.
+inline __m256i bf16_packed(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16)); }
 inline void store(c10::BFloat16* p, __m512 v, int64_t n) {
-  const __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16));
+  const __m256i packed = bf16_packed(v);
   if (n >= 16) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
   } else {
@@ -46,12 +48,12 @@ inline void store(c10::BFloat16* p, __m512 v, int64_t n) {
 }
 
 // v's 16 lanes as bf16 (to nearest even): vcvtneps2bf16 where the CPU has AVX-512 BF16, else
-// bf16_rounded_bits (Ice Lake, Cascade Lake).
+// bf16_packed (Ice Lake, Cascade Lake).
 inline __m256i to_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
 #else
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(v), 16));
+  return bf16_packed(v);
 #endif
 }
 
