@@ -50,7 +50,7 @@ def negative_log_likelihood(quantization: str | None, texts: list[list[int]], ch
 
     cpu = torch.device("cpu")
     length = max(len(t) for t in texts)
-    loaded = load_model(None, dtype, cpu, max_model_len=length + BLOCK_SIZE, with_tokenizer=False,
+    loaded = load_model(None, dtype, cpu, max_model_len=length + BLOCK_SIZE, tokenizer="none",
                         quantization=quantization, dtype_was_auto=dtype_was_auto)
     model, config = loaded.model, loaded.config
     if activation_bits is not None:

@@ -23,13 +23,13 @@ PROMPTS = [[5, 9, 200, 31, 7], [1000, 4, 4, 17, 300, 12, 9, 8, 2000], [42] * 20]
 
 def _runner(model_dir, quantization: str | None) -> ModelRunner:
     loaded = load_model(str(model_dir), torch.bfloat16, torch.device("cpu"), quantization=quantization,
-                        with_tokenizer=False)
+                        tokenizer="none")
     return ModelRunner(loaded.model, num_blocks=8, block_size=16, device=torch.device("cpu"), dtype=torch.bfloat16)
 
 
 def _float32_runner(model_dir, quantization: str, kv_cache_dtype: torch.dtype) -> ModelRunner:
     loaded = load_model(str(model_dir), torch.float32, torch.device("cpu"), quantization=quantization,
-                        with_tokenizer=False)
+                        tokenizer="none")
     return ModelRunner(loaded.model, num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.float32,
                        kv_cache_dtype=kv_cache_dtype)
 
@@ -114,7 +114,7 @@ def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seq
     """DecodeLayers (one call for every layer) gives the Python loop's hidden states bit for bit,
     over contexts that cross block boundaries (prompts of 5 to 40 tokens, 8 steps)."""
     runner = ModelRunner(load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), quantization=quantization,
-                                    with_tokenizer=False).model,
+                                    tokenizer="none").model,
                          num_blocks=32, block_size=16, device=torch.device("cpu"), dtype=torch.bfloat16)
     assert runner.decode_plan is not None and runner.decode_plan.fused is not None
     prompts = [[(31 * i + j) % 900 + 1 for j in range(5 + 5 * i)] for i in range(num_seqs)]
@@ -134,7 +134,7 @@ def test_fused_layers_with_mixed_layouts(tiny_llama_dir, monkeypatch):
     """Projections of different bits, group sizes and activation bits in one model (as Q4_K_M
     files mix them): still the Python loop's result bit for bit."""
     model = load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), quantization="int4",
-                       with_tokenizer=False).model
+                       tokenizer="none").model
     for layer, bits, group in ((model.layers[0].mlp.down_proj, 8, 16), (model.layers[1].self_attn.qkv_proj, 8, 32),
                                (model.layers[1].mlp.gate_up_proj, 4, 64)):
         layer.qweight = InterleavedWeight.from_rows(quantize_rtn(layer.qweight.dequantize(), bits, group))
@@ -154,7 +154,7 @@ def test_the_avx2_plans_attention_is_one_op_bit_for_bit(tiny_llama_dir, kv_cache
     DecodeLayersRows does not take run; here it is made to run by TOKENMILL_DECODE_LAYERS=0.)"""
     monkeypatch.setenv("TOKENMILL_DECODE_LAYERS", "0")
     loaded = load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4",
-                        with_tokenizer=False)
+                        tokenizer="none")
     runner = ModelRunner(loaded.model, num_blocks=8, block_size=16, device=torch.device("cpu"), dtype=torch.float32,
                          kv_cache_dtype=kv_cache_dtype)
     calls = []
@@ -191,7 +191,7 @@ def test_fused_row_layers_with_mixed_layouts(tiny_llama_dir, monkeypatch):
     Q4_K_M files mix them): still the Python loop's result bit for bit; a projection with a bias
     keeps the loop."""
     model = load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4",
-                       with_tokenizer=False).model
+                       tokenizer="none").model
     for layer, bits, group in ((model.layers[0].mlp.down_proj, 8, 32), (model.layers[1].self_attn.qkv_proj, 8, 32),
                                (model.layers[1].mlp.gate_up_proj, 4, 64)):
         layer.qweight = quantize_rtn(layer.qweight.dequantize(), bits, group)

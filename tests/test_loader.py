@@ -138,9 +138,9 @@ def test_a_model_that_does_not_fit_is_refused_before_loading(tiny_llama_dir, mon
     rest = 4 * config.max_position_embeddings * config.head_dim * 4 + config.kv_bytes_per_block(16, 4)
     int8 = ModelMath(config).weight_bytes("float32", "int8") + rest
     monkeypatch.setattr(loader, "available_memory_bytes", lambda device: int(int8) - 1)
-    load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4", with_tokenizer=False)
+    load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4", tokenizer="none")
     with pytest.raises(ModelLoadError, match="only .* GB"):
-        load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int8", with_tokenizer=False)
+        load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int8", tokenizer="none")
 
 
 def _rss_anon_mb() -> float:
@@ -162,7 +162,7 @@ def test_the_gguf_is_let_go_before_the_weights_are_repacked(monkeypatch):
         return repack(net, dtype, device)
 
     monkeypatch.setattr(loader, "maybe_pack_weights", checked)
-    load_model(None, torch.float32, CPU, with_tokenizer=False)
+    load_model(None, torch.float32, CPU, tokenizer="none")
     assert mapped_while_repacking == [False]
 
 
@@ -174,7 +174,7 @@ def test_interleaving_hands_back_the_row_layouts_memory():
     from tokenmill.layers.quantized import interleave_weights
     from tokenmill.platform import release_free_memory
 
-    net = load_model(None, torch.float32, CPU, with_tokenizer=False).model  # float32: the row layout kept
+    net = load_model(None, torch.float32, CPU, tokenizer="none").model  # float32: the row layout kept
     weights = {id(m.qweight): m.qweight.nbytes for m in net.modules() if hasattr(m, "qweight")}
     gc.collect()
     release_free_memory()

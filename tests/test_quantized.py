@@ -577,8 +577,8 @@ def test_tiny_gguf_keeps_every_type_quantized_and_matches_its_dequantized_self(t
     path = tmp_path / f"tiny-{arch}.gguf"
     write_tiny_gguf(path, arch)
     cpu = torch.device("cpu")
-    kept = load_model(str(path), torch.float32, cpu, with_tokenizer=False)
-    plain = load_model(str(path), torch.float32, cpu, with_tokenizer=False, quantization="none")
+    kept = load_model(str(path), torch.float32, cpu, tokenizer="none")
+    plain = load_model(str(path), torch.float32, cpu, tokenizer="none", quantization="none")
     layer0, layer1 = kept.model.layers
     # layer 0 mixes float and quantized parts in its fused projections: those are dequantized
     assert type(layer0.self_attn.qkv_proj).__name__ != "QuantizedLinear"
@@ -613,9 +613,9 @@ def test_bf16_gguf_batches_read_the_codes_and_match_the_packed_copy(tmp_path, mo
     write_tiny_gguf(path, "llama")
     cpu = torch.device("cpu")
     monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: False)  # bf16 products
-    reading = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
+    reading = load_model(str(path), torch.bfloat16, cpu, tokenizer="none")
     monkeypatch.setattr(quantized, "_gemm_kernel_available", lambda: False)
-    packed = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
+    packed = load_model(str(path), torch.bfloat16, cpu, tokenizer="none")
     layer = reading.model.layers[1].mlp.down_proj
     assert isinstance(layer, QuantizedLinear) and layer.batched is None
     assert packed.model.layers[1].mlp.down_proj.batched is not None
@@ -647,14 +647,14 @@ def test_bf16_gguf_rounds_few_rows_as_its_batches_do(tmp_path, monkeypatch):
     write_tiny_gguf(path, "llama")
     cpu = torch.device("cpu")
     monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: True)
-    eight = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
+    eight = load_model(str(path), torch.bfloat16, cpu, tokenizer="none")
     layers = [m for m in eight.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) >= 5 and all(m.activation_bits == 8 for m in layers)
     for layer in layers:
         x = torch.randn(20, layer.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
         assert torch.equal(layer(x[3:6]), layer(x)[3:6])
     monkeypatch.setattr(quantized, "_gemm_q8_kernel_available", lambda: False)
-    sixteen = load_model(str(path), torch.bfloat16, cpu, with_tokenizer=False)
+    sixteen = load_model(str(path), torch.bfloat16, cpu, tokenizer="none")
     assert all(m.activation_bits == 16 for m in sixteen.model.modules() if isinstance(m, QuantizedLinear))
 
 

@@ -138,5 +138,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying graphs
     rendezvous: object | None = None  # executor.tensor_parallel.Rendezvous under torchrun; None: spawn local workers
+    # An engine whose server tokenizes (engine_process.serving_engine): it only decodes, with a
+    # tokenizer that loads without transformers (models/decoding_tokenizer.py)
+    decodes_only: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def tokenizer_kind(self) -> str:
+        """Which tokenizer the loader loads for this engine (loader.load_model's `tokenizer`)."""
+        return "decoding" if self.decodes_only else "full"

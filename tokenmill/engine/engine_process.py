@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -72,10 +72,8 @@ def run_engine_process(args: EngineProcessArgs) -> None:
     status = 1
     reader = CommandReader(commands, codec)
     try:
-        from tokenmill.engine.engine_core import LLMEngine  # torch is imported here, not in the server
-
         try:
-            engine = LLMEngine(args.config)
+            engine = serving_engine(args.config)
         except Exception as exc:
             logger.debug("engine start failed", exc_info=exc)
             send(wire.FAILED, wire.to_wire_error(exc))
@@ -87,6 +85,14 @@ def run_engine_process(args: EngineProcessArgs) -> None:
         results.close(linger=2000)  # the last messages (DEAD) still reach the server
         context.term()
         sys.exit(status)
+
+
+def serving_engine(config: EngineConfig):
+    """The LLMEngine of an engine process or a Ray replica. Its server tokenizes: prompts arrive as
+    token ids, so the engine's tokenizer only decodes (and loads without transformers)."""
+    from tokenmill.engine.engine_core import LLMEngine  # torch is imported here, not in the server
+
+    return LLMEngine(replace(config, decodes_only=True))
 
 
 def _serve(engine, args: EngineProcessArgs, send, reader: CommandReader, parent: int) -> int:

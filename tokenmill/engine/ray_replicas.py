@@ -55,9 +55,8 @@ class EngineActor:
         self.outbox: queue.Queue[list[bytes]] = queue.Queue()
         self.loop = None
         try:
-            from tokenmill.engine.engine_core import LLMEngine
             from tokenmill.engine.engine_loop import EngineLoop, without_prompts
-            from tokenmill.engine.engine_process import engine_info
+            from tokenmill.engine.engine_process import engine_info, serving_engine
             from tokenmill.engine.device_peaks import known_peaks
 
             config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
@@ -66,7 +65,7 @@ class EngineActor:
 
                 config.rendezvous = Rendezvous(**config.rendezvous)
                 config.rendezvous.host = ray.util.get_node_ip_address()  # where rank 0 hosts the store
-            engine = LLMEngine(config)
+            engine = serving_engine(config)
         except Exception as exc:
             self.outbox.put(self.codec.encode(wire.FAILED, wire.to_wire_error(exc)))
             return

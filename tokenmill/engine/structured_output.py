@@ -8,6 +8,7 @@ sequence keeps. Why llguidance and not xgrammar: see README ("Structured outputs
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections import OrderedDict
@@ -137,14 +138,18 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
-                import llguidance.hf
 
-                try:
-                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                        self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-                except ValueError as exc:  # a slow (Python) tokenizer
-                    raise InvalidParameterError(f"structured outputs need a fast tokenizer: {exc}",
-                                                param="structured_outputs") from None
+                # What llguidance.hf.from_tokenizer does, without its import of transformers: the
+                # tokenizers JSON of a fast tokenizer (transformers' or a DecodingTokenizer).
+                backend = getattr(self.tokenizer, "backend_tokenizer", None)
+                if backend is None:
+                    raise InvalidParameterError("structured outputs need a fast tokenizer (tokenizers' JSON)",
+                                                param="structured_outputs")
+                backend = copy.copy(backend)
+                backend.no_padding()
+                backend.no_truncation()
+                self._ll_tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                            eos_token=self.eos_token_ids)
                 self._executor = llguidance.LLExecutor()
             return self._ll_tokenizer, self._executor
 

@@ -27,7 +27,8 @@ class LocalExecutor:
 
     def load_model(self) -> LoadedModel:
         self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.scheduler.max_model_len,
-                                 quantization=self.config.quantization, dtype_was_auto=self.config.dtype == "auto")
+                                 quantization=self.config.quantization, dtype_was_auto=self.config.dtype == "auto",
+                                 tokenizer=self.config.tokenizer_kind)
         return self.loaded
 
     def init_kv_cache(self, num_blocks: int) -> None:

@@ -154,7 +154,8 @@ class TensorParallelExecutor:
         try:
             self.loaded = load_model(self.config.model, self.dtype, self.device, self.config.scheduler.max_model_len,
                                      shard=self.comm, quantization=self.config.quantization,
-                                     dtype_was_auto=self.config.dtype == "auto")
+                                     dtype_was_auto=self.config.dtype == "auto",
+                                     tokenizer=self.config.tokenizer_kind)
         except Exception:
             self.shutdown()
             raise

@@ -42,7 +42,7 @@ def run(host: str, port: int, rank: int, world_size: int) -> None:
         device = torch.device("cuda", rank % torch.cuda.device_count())
     dtype = resolve_dtype(spec.dtype, device)
     comm = Communicator(rank, world_size)
-    loaded = load_model(spec.model, dtype, device, spec.max_model_len, shard=comm, with_tokenizer=False,
+    loaded = load_model(spec.model, dtype, device, spec.max_model_len, shard=comm, tokenizer="none",
                         quantization=spec.quantization, dtype_was_auto=spec.dtype_was_auto)
     num_blocks = int(store.get(NUM_BLOCKS_KEY))  # rank 0 sizes the KV pool once its shard is loaded
     comm.group = make_group(store, rank, world_size, device)

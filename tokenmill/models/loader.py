@@ -21,12 +21,14 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.gguf_loader import GGUFFile
 from tokenmill.models.hf_config import load_hf_config, load_hf_config_file
 from tokenmill.models.llama import DecoderForCausalLM
-from tokenmill.models.model_files import load_tokenizer, resolve_model_path
+from tokenmill.models.model_files import load_decoding_tokenizer, load_tokenizer, resolve_model_path
 from tokenmill.models.safetensors_loader import iter_safetensors
 from tokenmill.models.sharding import shard_config, shard_weights, vocab_parallel_head, wrap_parallel
 from tokenmill.platform import available_memory_bytes, release_free_memory
 
 logger = logging.getLogger(__name__)
+
+TOKENIZER_LOADERS = {"full": load_tokenizer, "decoding": load_decoding_tokenizer, "none": lambda path: None}
 
 QUANTIZATION_CHOICES = (None, "none", "int8", "int4")
 
@@ -38,7 +40,7 @@ class LoadedModel:
     path: Path
     config: ModelConfig
     model: DecoderForCausalLM
-    tokenizer: object  # transformers PreTrainedTokenizerFast
+    tokenizer: object  # transformers' PreTrainedTokenizerFast, a DecodingTokenizer, or None (load_model)
     max_model_len: int
     weight_formats: str = ""  # how the weights are held, e.g. "int4 g32 x 211; bfloat16 rest"
 
@@ -57,12 +59,13 @@ def load_model_config(model: str | Path | None) -> ModelConfig:
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
-               shard: Communicator | None = None, with_tokenizer: bool = True,
+               shard: Communicator | None = None, tokenizer: str = "full",
                quantization: str | None = None, dtype_was_auto: bool = False) -> LoadedModel:
     """Load config, weights and tokenizer. Every failure is a ModelLoadError.
 
     With `shard`, only this tensor-parallel rank's slices are kept (LoadedModel.config is still the
-    whole model's); with_tokenizer=False skips the tokenizer (workers never detokenize).
+    whole model's); `tokenizer`: "full" (transformers': prompts, chat templates), "decoding" (an
+    engine whose server tokenizes: model_files.load_decoding_tokenizer), "none" (workers never decode).
     `quantization`: None keeps a GGUF's own quantized weights (and an HF model's dtype), "none"
     dequantizes everything to `dtype`, "int8" / "int4" quantize the layers' linears at load.
     `dtype_was_auto`: the engine chose `dtype`, and may choose its speed path's rounding with it
@@ -76,12 +79,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, max_
     # holding the GIL) slowed the weights' many small torch ops down more than it overlapped them,
     # GGUF and safetensors alike (0.2-0.4 s later to ready), and its heap kept ~70 MB resident.
     net, config, context = _load_weights(path, dtype, device, max_model_len, shard, quantization, dtype_was_auto)
-    tokenizer = load_tokenizer(path) if with_tokenizer else None
+    loaded_tokenizer = TOKENIZER_LOADERS[tokenizer](path)
     release_free_memory()  # the temporaries of repacking: resident until trimmed
-    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    eos = loaded_tokenizer.eos_token_id if loaded_tokenizer is not None else None
     if eos is not None and eos not in config.eos_token_ids:
         config.eos_token_ids.append(eos)
-    return LoadedModel(path=path, config=config, model=net, tokenizer=tokenizer, max_model_len=context,
+    return LoadedModel(path=path, config=config, model=net, tokenizer=loaded_tokenizer, max_model_len=context,
                        weight_formats=describe_weight_formats(net, dtype))
 
 

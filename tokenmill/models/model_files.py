@@ -5,6 +5,7 @@ this while its engine process loads the weights."""
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import shutil
@@ -92,11 +93,31 @@ def _read_converted(cached: Path):
 
 
 def converted_tokenizer_dir(gguf_path: Path) -> Path:
-    import transformers
+    return cache_dir() / "tokenizers" / _cache_key(gguf_path)
 
-    stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    return cache_dir() / "tokenizers" / hashlib.sha1(key.encode()).hexdigest()[:16]
+
+def load_decoding_tokenizer(path: Path):
+    """What an engine whose server tokenizes needs: a DecodingTokenizer from this model's cache
+    entry, else the full tokenizer (load_tokenizer), whose entry is then written for the next start."""
+    from tokenmill.models import decoding_tokenizer
+
+    entry = cache_dir() / "decoding-tokenizers" / f"{_cache_key(path)}.json"
+    cached = decoding_tokenizer.read(entry)
+    if cached is not None:
+        return cached
+    tokenizer = load_tokenizer(path)
+    decoding_tokenizer.save(tokenizer, entry)
+    return tokenizer
+
+
+def _cache_key(path: Path) -> str:
+    """Names a model's tokenizer as transformers reads it: the path, the size and modification time
+    of the file (a GGUF) or of each file in the directory, and transformers' version (read without
+    importing it: ~1 s)."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    key = "|".join([str(path.resolve()), *stats, importlib.metadata.version("transformers")])
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
 def _save_converted_tokenizer(tokenizer, target: Path) -> None:
