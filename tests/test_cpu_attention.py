@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill.layers import attention
-from tokenmill.layers.attention import CacheGeometry, TorchPagedAttention
+from tokenmill.layers.attention import CacheGeometry, StepLayout, TorchPagedAttention
 from tokenmill.layers.cpu_attention import (
     CpuPagedAttention,
     KernelPrefillChunks,
@@ -146,21 +146,30 @@ def test_kernel_rejects_bad_shapes():
                                             torch.ones(2, dtype=torch.int64), 1.0, 16)
 
 
-def test_decode_only_metadata_equals_the_general_paths():
+@pytest.mark.parametrize("backend_kind", ["kernel", "rows"])  # CpuPagedAttention; the AVX2 build's op's
+def test_decode_only_metadata_equals_the_general_paths(backend_kind, monkeypatch):
+    """Decode-only steps skip StepLayout (DecodeStepLayout): the same tensors as StepLayout and the
+    backend's own decode bucket."""
     geometry = CacheGeometry(block_size=16, num_blocks=40, num_kv_heads=3, num_query_groups=3, head_dim=64,
                              dtype=torch.bfloat16, device=torch.device("cpu"))
-    backend = CpuPagedAttention()
+    if backend_kind == "rows":
+        monkeypatch.setattr(attention, "_rows_kernel_available", lambda: True)
+    backend = CpuPagedAttention() if backend_kind == "kernel" else TorchPagedAttention()
     context_lens = [0, 15, 16, 47, 200]
     block_tables = [[7], [3], [5, 9], [1, 2, 4], [i + 20 for i in range(13)]]
     fast = backend.build_metadata([1] * 5, context_lens, block_tables, geometry)
-    general = TorchPagedAttention.build_metadata(backend, [1] * 5, context_lens, block_tables, geometry)
+    step = StepLayout.build([1] * 5, context_lens, block_tables, geometry)
+    bucket = backend._decode_bucket(step, step.members(decode=True), geometry)
     for name in ("positions", "write_index"):
-        assert torch.equal(getattr(fast, name), getattr(general, name)), name
-    assert torch.equal(fast.slots, general.write_index[:5])
-    assert fast.num_tokens == general.num_tokens and fast.prefill is None and general.prefill is None
+        assert torch.equal(getattr(fast, name), getattr(step, name)), name
+    if backend_kind == "kernel":
+        assert torch.equal(fast.slots, step.write_index[:5])
+    else:
+        assert fast.decode.gather_index is None and bucket.gather_index is None and fast.decode.attn_mask is None
+    assert fast.num_tokens == 5 and fast.prefill is None and fast.fresh_prefills == []
     for name in ("token_index", "block_table", "seq_lens"):
-        assert torch.equal(getattr(fast.decode, name), getattr(general.decode, name)), name
-    assert fast.decode.context_len == general.decode.context_len and fast.decode.covers_batch
+        assert torch.equal(getattr(fast.decode, name), getattr(bucket, name)), name
+    assert fast.decode.context_len == bucket.context_len and fast.decode.covers_batch and bucket.covers_batch
 
 
 def test_prefills_with_nothing_cached_skip_the_padded_bucket(monkeypatch):

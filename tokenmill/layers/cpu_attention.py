@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.layers.attention import (
-    AttentionBackend, AttentionMetadata, CacheGeometry, PrefillBucket, StepLayout, TorchPagedAttention,
-    prefill_kernel_applies,
+    AttentionBackend, AttentionMetadata, CacheGeometry, DecodeStepLayout, PrefillBucket, StepLayout,
+    TorchPagedAttention, prefill_kernel_applies,
 )
 from tokenmill.layers.cpu_kernels import kernels_enabled, load_cpu_kernels
 from tokenmill.layers.rotary import RopeStep
@@ -83,25 +83,14 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _decode_metadata(self, context_lens: list[int], block_tables: list[list[int]],
                          geometry: CacheGeometry) -> CpuAttentionMetadata:
-        """A decode-only step, built from Python ints: StepLayout's two dozen small tensor ops cost
-        ~0.3 ms, most of the bookkeeping of a one-stream step. The same values as the general path."""
-        block_size, batch = geometry.block_size, len(context_lens)
-        slots = [table[pos // block_size] * block_size + pos % block_size
-                 for table, pos in zip(block_tables, context_lens)]
-        num_blocks = max(context_lens) // block_size + 1  # covers every sequence and its new token
-        table = [t[:num_blocks] + [t[0]] * (num_blocks - len(t[:num_blocks])) for t in block_tables]
-        head_rows = geometry.num_blocks * block_size
-        write_index = [head * head_rows + slot for head in range(geometry.num_kv_heads) for slot in slots]
-        bucket = KernelDecodeBucket(
-            token_index=torch.arange(batch),
-            covers_batch=True,
-            block_table=torch.tensor(table, dtype=torch.int64),
-            seq_lens=torch.tensor([pos + 1 for pos in context_lens], dtype=torch.int64),
-            context_len=num_blocks * block_size,
-        )
-        return CpuAttentionMetadata(positions=torch.tensor(context_lens, dtype=torch.int64),
-                                    write_index=torch.tensor(write_index, dtype=torch.int64), num_tokens=batch,
-                                    decode=bucket, prefill=None, fresh_prefills=[], slots=torch.tensor(slots, dtype=torch.int64))
+        """A decode-only step, without StepLayout's tensor ops (DecodeStepLayout)."""
+        decode = DecodeStepLayout.build(context_lens, block_tables, geometry)
+        bucket = KernelDecodeBucket(token_index=torch.arange(len(context_lens)), covers_batch=True,
+                                    block_table=decode.block_table, seq_lens=decode.seq_lens,
+                                    context_len=decode.context_len)
+        return CpuAttentionMetadata(positions=decode.positions, write_index=decode.write_index,
+                                    num_tokens=len(context_lens), decode=bucket, prefill=None, fresh_prefills=[],
+                                    slots=decode.slots)
 
     def _prefill_bucket(self, step: StepLayout, members: torch.Tensor,
                         geometry: CacheGeometry) -> PrefillBucket | KernelPrefillChunks:
