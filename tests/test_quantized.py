@@ -449,6 +449,28 @@ def test_which_kernel_many_bf16_rows_take(monkeypatch):
     assert calls == [40, 40, 40, 40]
 
 
+@needs_q8_kernel
+@pytest.mark.parametrize("bits,group,half", [(4, 32, True), (8, 32, True), (4, 64, False), (8, 128, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_interleaved_rows_equal_the_row_layouts_bit_for_bit(bits, group, half, dtype, monkeypatch):
+    """quant_rows_q8 (embedding lookups of an interleaved table) gives the row layout's kernel
+    dequantization exactly, rows of the padded last block and repeats included; the torch path it
+    replaces agrees within one rounding."""
+    q = random_weight(37, 2 * group, bits, group, seed=bits + group, half=half)  # 37 rows: 3 blocks, the last padded
+    w = InterleavedWeight.from_rows(q)
+    ids = torch.tensor([0, 36, 15, 16, 5, 36, 33])
+    got = w.dequantize_rows(ids, dtype)
+    assert got.dtype == dtype and got.shape == (7, 2 * group)
+    assert torch.equal(got, q.rows(ids).dequantize(dtype))
+    torch.testing.assert_close(got.double(), reference_weight(q)[ids].to(dtype).double(), rtol=0,
+                               atol=float(reference_weight(q).abs().max()) * (2e-2 if dtype != torch.float32 else 1e-6))
+    monkeypatch.setattr(quantized, "_q8_kernel_available", lambda: False)
+    torch.testing.assert_close(w.dequantize_rows(ids, dtype), got, rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                               atol=1e-6)
+    with pytest.raises(RuntimeError, match="not a row"):
+        torch.ops.tokenmill.quant_rows_q8(w.codes, w.scales, w.offsets, bits, group, 37, torch.tensor([37]), dtype)
+
+
 def test_interleaving_a_model_keeps_a_tied_table_shared():
     q = random_weight(40, 64, 8, 32)
     model = torch.nn.ModuleDict({"embed": QuantizedEmbedding(q, torch.float32), "head": QuantizedLinear(q),

@@ -53,12 +53,10 @@ inline void check_arguments(const at::Tensor& x, const at::Tensor& codes, const 
   check_row_weight(codes, scales, offsets, bits, group_size, x.size(1));
 }
 
-// x [M, K] against a weight in the interleaved layout (quant_gemv_q8.cpp) of N output rows.
-inline void check_interleaved(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                              const at::Tensor& offsets, int64_t bits, int64_t G, int64_t N) {
-  check_activations(x);
+// A [N, K] weight in the interleaved layout (quant_gemv_q8.cpp).
+inline void check_interleaved_weight(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                                     int64_t bits, int64_t G, int64_t N, int64_t K) {
   check_bits_and_group(bits, G);
-  const int64_t K = x.size(1);
   TORCH_CHECK(K % G == 0, "K must be a multiple of the group size");
   const int64_t blocks = (N + kInterleavedLanes - 1) / kInterleavedLanes;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
@@ -67,6 +65,13 @@ inline void check_interleaved(const at::Tensor& x, const at::Tensor& codes, cons
   check_scales(scales, offsets);
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == K / G && scales.size(2) == kInterleavedLanes,
               "scales must be [ceil(N / 16), K / G, 16]");
+}
+
+// x [M, K] against a weight in the interleaved layout of N output rows.
+inline void check_interleaved(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& offsets, int64_t bits, int64_t G, int64_t N) {
+  check_activations(x);
+  check_interleaved_weight(codes, scales, offsets, bits, G, N, x.size(1));
 }
 
 // quant_gemv(x, codes, scales, offsets, bits, G) -> [M, N] in x's dtype: checks, x in float32, and
