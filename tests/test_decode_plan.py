@@ -121,6 +121,31 @@ def test_fused_layers_equal_the_plans_loop(tiny_llama_dir, quantization, num_seq
     _assert_fused_equals_the_loop(runner, "fused", prompts, 8, monkeypatch)
 
 
+def _with_quantized_head(model, interleaved: bool, activation_bits: int):
+    """model with its dense head quantized (8 bits, groups of 32: the default model's tied Q8_0 table)."""
+    head = QuantizedLinear(quantize_rtn(model.lm_head.weight.data.float(), 8, 32))
+    if interleaved:
+        head.qweight = InterleavedWeight.from_rows(head.qweight)
+    head.activation_bits = activation_bits
+    model.lm_head = head
+    return model
+
+
+@pytest.mark.skipif(not quant_gemv_q8_available(), reason="DecodeLayers runs the VNNI kernel (AVX-512 VNNI)")
+@pytest.mark.parametrize("activation_bits", [16, 8])
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_fused_layers_multiply_a_quantized_head_too(tiny_llama_dir, activation_bits, num_seqs, monkeypatch):
+    """Where the head runs the VNNI kernel, DecodeLayers returns the logits: compute_logits of the
+    loop's hidden states, bit for bit."""
+    model = load_model(str(tiny_llama_dir), torch.bfloat16, torch.device("cpu"), quantization="int4",
+                       tokenizer="none").model
+    runner = ModelRunner(_with_quantized_head(model, True, activation_bits), num_blocks=32, block_size=16,
+                         device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert runner.decode_plan.fused.gives_logits
+    prompts = [[(13 * i + j) % 800 + 1 for j in range(7 + 6 * i)] for i in range(num_seqs)]
+    _assert_fused_equals_the_loop(runner, "fused", prompts, 4, monkeypatch)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_layers_with_biases_or_qk_norms_keep_the_loop(tiny_model_dirs, arch):
     runner = _runner(tiny_model_dirs[arch], "int4")
@@ -202,3 +227,17 @@ def test_fused_row_layers_with_mixed_layouts(tiny_llama_dir, monkeypatch):
     _assert_fused_equals_the_loop(runner, "fused_rows", prompts, 4, monkeypatch)
     model.layers[1].mlp.down_proj.bias = torch.zeros(model.layers[1].mlp.down_proj.out_features)
     assert DecodePlan(model, runner.kv_caches).fused_rows is None
+
+
+@pytest.mark.skipif(not decode_attention_rows_available(), reason="DecodeLayersRows is the AVX2 build's")
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_fused_row_layers_multiply_a_quantized_head_too(tiny_llama_dir, num_seqs, monkeypatch):
+    """Where the head runs quant_gemv_i8, DecodeLayersRows returns the logits: compute_logits of the
+    loop's hidden states, bit for bit."""
+    model = load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int4",
+                       tokenizer="none").model
+    runner = ModelRunner(_with_quantized_head(model, False, 16), num_blocks=32, block_size=16,
+                         device=torch.device("cpu"), dtype=torch.float32)
+    assert runner.decode_plan.fused_rows.gives_logits
+    prompts = [[(13 * i + j) % 800 + 1 for j in range(7 + 6 * i)] for i in range(num_seqs)]
+    _assert_fused_equals_the_loop(runner, "fused_rows", prompts, 4, monkeypatch)

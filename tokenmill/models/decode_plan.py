@@ -71,7 +71,11 @@ class FusedLayers:
     per layer its two norm weights, each projection's codes, scales and offsets with 4 ints (bits,
     group size, rows, 16-bit activations), and its caches: csrc/decode_step.cpp's DecodeLayers for
     the VNNI kernel and the paged kernel's caches, or on the AVX2 build decode_step_avx2.cpp's
-    DecodeLayersRows for the row layout and the PyTorch backend's caches."""
+    DecodeLayersRows for the row layout and the PyTorch backend's caches. Where the model's head runs
+    the same kernel (the default model's tied Q8_0 table) the step multiplies it too and returns the
+    logits (gives_logits): what compute_logits gives, without ~0.2 ms of host ops between two calls
+    (on the Ice Lake Xeon, where the weights just streamed through the caches have pushed out the
+    interpreter's)."""
 
     def __init__(self, model: DecoderForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  rows: bool) -> None:
@@ -83,11 +87,17 @@ class FusedLayers:
                 weights += [w.codes, w.scales, w.offsets]
                 linears += [w.bits, w.group_size, w.shape[0], int(p.activation_bits == 16)]
             weights += [k_cache, v_cache]
+        head, head_ints = [], []
+        if model.lm_head is not None and (_runs_i8 if rows else _runs_vnni)(model.lm_head):
+            w = model.lm_head.qweight
+            head, head_ints = [w.codes, w.scales, w.offsets], [w.bits, w.group_size, w.shape[0],
+                                                               int(model.lm_head.activation_bits == 16)]
         first = model.layers[0]
         fused_step = torch.classes.tokenmill.DecodeLayersRows if rows else torch.classes.tokenmill.DecodeLayers
         self.rows = rows
+        self.gives_logits = bool(head)
         self.layers = fused_step(weights, linears, first.self_attn.num_heads, first.self_attn.num_kv_heads,
-                                 first.self_attn.scale, first.input_layernorm.eps, model.norm.weight)
+                                 first.self_attn.scale, first.input_layernorm.eps, model.norm.weight, head, head_ints)
 
     @staticmethod
     def applies(model: DecoderForCausalLM) -> bool:
@@ -110,7 +120,8 @@ class FusedLayers:
             and all(map(_runs_i8, _projections(layer))) for layer in model.layers)
 
     def __call__(self, x: torch.Tensor, rope, metadata) -> torch.Tensor:
-        """x: the step's embeddings [T, hidden] (the residual stream, changed in place) -> the final norm's output."""
+        """x: the step's embeddings [T, hidden] (the residual stream, changed in place) -> the final
+        norm's output, or where gives_logits the float32 logits [T, vocab]."""
         decode = metadata.decode
         if self.rows:
             return self.layers.forward(x, rope.positions, rope.cos_cache, rope.sin_cache, metadata.write_index,
@@ -174,8 +185,11 @@ class DecodePlan:
         whole = isinstance(decode, KernelDecodeBucket) or (isinstance(decode, DecodeBucket) and decode.covers_batch)
         return metadata.prefill is None and not metadata.fresh_prefills and whole and input_ids.shape[0] <= GEMV_MAX_ROWS
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden], as model(input_ids, positions, ctx)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: AttentionContext) -> tuple[torch.Tensor, bool]:
+        """input_ids, positions: [T] -> (hidden states [T, hidden] as model(input_ids, positions, ctx)
+        gives them, False), or where the fused layers multiply the head too (float32 logits [T,
+        vocab] as model.compute_logits of those hidden states gives them, True)."""
         ops = torch.ops.tokenmill
         rms_norm, add_rms_norm, fused_silu = ops.rms_norm.default, ops.add_rms_norm_.default, ops.silu_and_mul.default
         num_heads, num_kv_heads, head_dim, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
@@ -187,12 +201,12 @@ class DecodePlan:
         # rotary by our kernel, and the paged kernel's backend: it can run inside the attention op
         fused_attention = rope.tables is None and isinstance(backend, CpuPagedAttention)
         if fused_attention and self.fused is not None:
-            return self.fused(x, rope, metadata)
+            return self.fused(x, rope, metadata), self.fused.gives_logits
         # the AVX2 build's: rotary, KV write and decode_attention_rows in one op
         fused_rows = (rope.tables is None and isinstance(backend, TorchPagedAttention) and decode_attention_rows_available()
                       and metadata.decode.gather_index is None)  # the op's bucket (up to 8 query heads per kv head)
         if fused_rows and self.fused_rows is not None:
-            return self.fused_rows(x.contiguous(), rope, metadata)
+            return self.fused_rows(x.contiguous(), rope, metadata), self.fused_rows.gives_logits
         residual = None
         for layer in self.layers:
             if residual is None:
@@ -219,4 +233,4 @@ class DecodePlan:
             h = add_rms_norm(layer.o(out), residual, layer.post_norm, eps)
             gated = fused_silu(layer.gate_up(h)) if layer.gate_up_is_kernel else silu_and_mul(layer.gate_up_module, h)
             x = layer.down(gated)
-        return self.model.norm(x, residual)
+        return self.model.norm(x, residual), False

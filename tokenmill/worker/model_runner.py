@@ -99,17 +99,25 @@ class ModelRunner:
         )
         ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
         if self.decode_plan is not None and DecodePlan.covers(input_ids, ctx):
-            hidden = self.decode_plan.forward(input_ids, metadata.positions, ctx)  # [T, hidden]
+            out, are_logits = self.decode_plan.forward(input_ids, metadata.positions, ctx)  # [T, hidden] or [T, vocab]
+            if are_logits:
+                return self._logits(batch, out, are_logits=True)
+            hidden = out
         else:
             hidden = self.model(input_ids, metadata.positions, ctx)
         return self._logits(batch, hidden)
 
-    def _logits(self, batch: ForwardInput, hidden: torch.Tensor) -> torch.Tensor | None:
+    def _logits(self, batch: ForwardInput, rows_out: torch.Tensor, are_logits: bool = False) -> torch.Tensor | None:
+        """The logits of the rows that need them, from every row's hidden state, or from every row's
+        logits already (a fused decode step's)."""
         logits_rows = batch.logits_rows()
         if not logits_rows:
             return None
+        if are_logits and logits_rows == list(range(rows_out.shape[0])):
+            return rows_out
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))  # [num_logits, vocab]
+        selected = rows_out.index_select(0, rows)
+        return selected if are_logits else self.model.compute_logits(selected)  # [num_logits, vocab]
 
     @torch.inference_mode()
     def sample(self, scheduler_output: SchedulerOutput, logits: torch.Tensor | None) -> ModelRunnerOutput:

@@ -12,14 +12,17 @@
 //   single  attention output rounded             all  o = . @ Wo
 //   single  h = norm(residual += o); rounded     all  gate_up = h @ Wgu
 //   single  silu(gate) * up; rounded             all  down = . @ Wdown
-// and after the last layer the final norm (residual += down). Before each barrier a thread asks
-// for the first bytes of its share of the next weight, so they arrive while it waits.
+// and after the last layer the final norm (residual += down), and, where the model's head is given,
+//   single  its input rounded                    all  logits = . @ Whead, as float32
+// Before each barrier a thread asks for the first bytes of its share of the next weight, so they
+// arrive while it waits.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <omp.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "fused_rows.h"
@@ -97,7 +100,9 @@ struct Buffers {
 };
 
 // The step through every layer: x [M, H] is the residual stream (changed in place), y [M, H] gets
-// the final norm. Step supplies (its round() runs on one thread, the others on all):
+// the final norm; with a head (else nullptr), logits [M, head->N] get y @ head as the head's own
+// call would give them (its output dtype T, then float32). Step supplies (its round() runs on one
+// thread, the others on all):
 //   Scratch scratch(int threads)                     each thread's own buffers
 //   void round(const Linear& w, const T* x, M)       x [M, w.K] rounded for w
 //   void multiply(const Linear& w, M, thread, threads, Scratch&, T* out)   out [M, w.N], the thread's share
@@ -105,8 +110,11 @@ struct Buffers {
 // and each Linear prefetch_share(thread, threads).
 template <typename T, typename W, typename Step, typename Linear>
 void run_layers(Step& step, const std::vector<Layer<Linear>>& layers, const Shape& shape, int64_t M, double eps,
-                const W* final_norm, T* residual, T* y, int num_threads) {
+                const W* final_norm, T* residual, T* y, int num_threads, const Linear* head = nullptr,
+                float* logits = nullptr) {
   Buffers<T> b(M, shape);
+  // the head's output in T: float32 logits are T's values (a float32 step writes them straight)
+  std::vector<T> head_out(head != nullptr && !std::is_same_v<T, float> ? M * head->N : 0);
   const int64_t H = shape.H, I = shape.I, items = M * shape.num_kv_heads;
   auto norm = [&](const T* x, T* res, const void* w, T* out) {
     for (int64_t m = 0; m < M; ++m)
@@ -154,11 +162,31 @@ void run_layers(Step& step, const std::vector<Layer<Linear>>& layers, const Shap
         step.round(layer.down, b.gated.data(), M);
       }
       step.multiply(layer.down, M, thread, threads, scratch, b.down.data());
-      if (i + 1 < layers.size()) layers[i + 1].qkv.prefetch_share(thread, threads);
+      if (i + 1 < layers.size()) {
+        layers[i + 1].qkv.prefetch_share(thread, threads);
+      } else if (head != nullptr) {
+        head->prefetch_share(thread, threads);
+      }
 #pragma omp barrier
     }
+    if (head != nullptr) {
+#pragma omp single
+      {
+        norm(b.down.data(), residual, final_norm, y);
+        step.round(*head, y, M);
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        step.multiply(*head, M, thread, threads, scratch, logits);
+      } else {
+        step.multiply(*head, M, thread, threads, scratch, head_out.data());
+#pragma omp barrier
+        const int64_t total = M * head->N;
+        for (int64_t i = total * thread / threads; i < total * (thread + 1) / threads; ++i)
+          logits[i] = static_cast<float>(head_out[i]);
+      }
+    }
   }
-  norm(b.down.data(), residual, final_norm, y);
+  if (head == nullptr) norm(b.down.data(), residual, final_norm, y);
 }
 
 }  // namespace tokenmill_layers

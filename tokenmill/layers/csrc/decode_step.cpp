@@ -6,14 +6,18 @@
 // fork and join around every one of them: here the threads stay in one region and meet at a
 // barrier between the phases that depend on each other.
 //
-//   DecodeLayers(weights, linears, num_heads, num_kv_heads, scale, eps, final_norm)   once per model
-//   .forward(x [M, H], positions, cos, sin, slots, block_tables, seq_lens, context) -> final norm [M, H]
+//   DecodeLayers(weights, linears, num_heads, num_kv_heads, scale, eps, final_norm, head, head_ints)   once
+//   .forward(x [M, H], positions, cos, sin, slots, block_tables, seq_lens, context)
+//     -> the final norm [M, H]; with a head, its float32 logits [M, vocab] instead
 //
 // x: the step's embeddings, used as the residual stream (changed in place). Per layer, weights
 // holds 16 tensors: input norm, post-attention norm, then codes, scales and offsets of the fused
 // q/k/v, o, fused gate/up and down projections (the interleaved layout), then the key and value
 // caches; linears holds 4 ints per projection: bits, group size, output rows, two_parts (16-bit
-// activations). The phases and what the two builds share: decode_layers.h.
+// activations). head: the model's head the same way (codes, scales, offsets; 4 ints), or empty lists:
+// then the step ends with the logits, as the head's quant_gemv_q8 call and .float() give them,
+// without the host's ops between the two calls. The phases and what the two builds share:
+// decode_layers.h.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "decode_layers.h"
@@ -195,8 +200,10 @@ void for_dtype(const at::Tensor& t, const char* what, Fn&& fn) {
 class DecodeLayers : public torch::CustomClassHolder {
  public:
   DecodeLayers(std::vector<at::Tensor> weights, std::vector<int64_t> linears, int64_t num_heads, int64_t num_kv_heads,
-               double scale, double eps, at::Tensor final_norm)
-      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), scale_(static_cast<float>(scale)), eps_(eps) {
+               double scale, double eps, at::Tensor final_norm, std::vector<at::Tensor> head,
+               std::vector<int64_t> head_ints)
+      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), head_weights_(std::move(head)),
+        scale_(static_cast<float>(scale)), eps_(eps) {
     TORCH_CHECK(!weights_.empty() && weights_.size() >= kTensorsPerLayer, "DecodeLayers: 16 tensors and 16 ints per layer");
     const at::ScalarType cache_dtype = weights_[kTensorsPerLayer - 2].scalar_type();
     TORCH_CHECK(cache_dtype == at::kBFloat16 || cache_dtype == at::kHalf, "DecodeLayers: caches must be bfloat16 or float16");
@@ -206,6 +213,12 @@ class DecodeLayers : public torch::CustomClassHolder {
     layers_ = tokenmill_layers::layers_of<Linear>(weights_, linears, final_norm_, "DecodeLayers", linear_of, shape_);
     for (const Layer& l : layers_)
       for (const Linear* w : {&l.qkv, &l.o, &l.gate_up, &l.down}) max_blocks_ = std::max(max_blocks_, w->blocks);
+    TORCH_CHECK((head_weights_.empty() && head_ints.empty()) || (head_weights_.size() == 3 && head_ints.size() == 4),
+                "DecodeLayers: the head is 3 tensors and 4 ints, or none");
+    if (!head_weights_.empty()) {
+      head_ = linear_of(head_weights_.data(), head_ints.data(), shape_.H);
+      max_blocks_ = std::max(max_blocks_, head_->blocks);
+    }
   }
 
   // x [M, H]: the step's embeddings, the residual stream (changed in place); positions, slots,
@@ -232,6 +245,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                   "DecodeLayers: slot past the cache");
     }
     at::Tensor y = at::empty({M, H}, x.options());
+    at::Tensor logits = head_ ? at::empty({M, head_->N}, x.options().dtype(at::kFloat)) : at::Tensor();
     const int64_t max_K = std::max({H, shape_.num_heads * D, shape_.I});
     const int num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), max_blocks_)));
     for_dtype(x, "x", [&](auto xt) {
@@ -241,16 +255,19 @@ class DecodeLayers : public torch::CustomClassHolder {
         if constexpr (!std::is_same_v<T, float>) {
           Step<T> step{s, shape_, max_blocks_, Activations(M, max_K), std::vector<T>(M * shape_.num_heads * D)};
           tokenmill_layers::run_layers<T, W>(step, layers_, shape_, M, eps_, final_norm_.data_ptr<W>(),
-                                             x.data_ptr<T>(), y.data_ptr<T>(), num_threads);
+                                             x.data_ptr<T>(), y.data_ptr<T>(), num_threads, head_ ? &*head_ : nullptr,
+                                             head_ ? logits.data_ptr<float>() : nullptr);
         }
       });
     });
-    return y;
+    return head_ ? logits : y;
   }
 
  private:
   std::vector<at::Tensor> weights_;  // what layers_ points into, kept alive
   at::Tensor final_norm_;
+  std::vector<at::Tensor> head_weights_;
+  std::optional<Linear> head_;
   std::vector<Layer> layers_;
   Shape shape_{};
   int64_t max_blocks_ = 0;
@@ -262,7 +279,8 @@ class DecodeLayers : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, double, at::Tensor>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, double, at::Tensor,
+                       std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward", &DecodeLayers::forward);
 }
 

@@ -6,15 +6,18 @@
 // bit; what it saves is the plan's 8 op calls per layer (a few microseconds of dispatch and
 // allocation each) and the threads' fork and join around them.
 //
-//   DecodeLayersRows(weights, linears, num_heads, num_kv_heads, scale, eps, final_norm)   once per model
-//   .forward(x [M, H], positions, cos, sin, write_index, block_table, seq_lens) -> final norm [M, H]
+//   DecodeLayersRows(weights, linears, num_heads, num_kv_heads, scale, eps, final_norm, head, head_ints)   once
+//   .forward(x [M, H], positions, cos, sin, write_index, block_table, seq_lens)
+//     -> the final norm [M, H]; with a head, its logits [M, vocab] instead
 //
 // x: the step's embeddings (float32), used as the residual stream (changed in place). Per layer,
 // weights holds 16 tensors: input norm, post-attention norm (float32), then codes, scales and
 // offsets of the fused q/k/v, o, fused gate/up and down projections (the row layout), then the key
 // and value caches ([kv_heads, blocks, block_size, D], float32, float16 or bfloat16); linears holds
-// 4 ints per projection: bits, group size, output rows, two_parts (16-bit activations). The phases
-// and what the two builds share: decode_layers.h.
+// 4 ints per projection: bits, group size, output rows, two_parts (16-bit activations). head: the
+// model's head the same way (3 tensors, 4 ints), or empty lists: then the step ends with the logits,
+// as the head's quant_gemv_i8 call gives them. The phases and what the two builds share:
+// decode_layers.h.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "decode_layers.h"
@@ -153,8 +157,10 @@ struct Step {
 class DecodeLayersRows : public torch::CustomClassHolder {
  public:
   DecodeLayersRows(std::vector<at::Tensor> weights, std::vector<int64_t> linears, int64_t num_heads,
-                   int64_t num_kv_heads, double scale, double eps, at::Tensor final_norm)
-      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), scale_(static_cast<float>(scale)), eps_(eps) {
+                   int64_t num_kv_heads, double scale, double eps, at::Tensor final_norm, std::vector<at::Tensor> head,
+                   std::vector<int64_t> head_ints)
+      : weights_(std::move(weights)), final_norm_(std::move(final_norm)), head_weights_(std::move(head)),
+        scale_(static_cast<float>(scale)), eps_(eps) {
     TORCH_CHECK(weights_.size() >= kTensorsPerLayer, "DecodeLayersRows: 16 tensors and 16 ints per layer");
     const at::ScalarType cache_dtype = weights_[kTensorsPerLayer - 2].scalar_type();
     TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kHalf || cache_dtype == at::kBFloat16,
@@ -166,6 +172,9 @@ class DecodeLayersRows : public torch::CustomClassHolder {
     shape_.num_kv_heads = num_kv_heads;
     layers_ = tokenmill_layers::layers_of<Linear>(weights_, linears, final_norm_, "DecodeLayersRows", linear_of, shape_);
     TORCH_CHECK(shape_.D % 2 == 0, "DecodeLayersRows: head_dim must be even (rotary)");
+    TORCH_CHECK((head_weights_.empty() && head_ints.empty()) || (head_weights_.size() == 3 && head_ints.size() == 4),
+                "DecodeLayersRows: the head is 3 tensors and 4 ints, or none");
+    if (!head_weights_.empty()) head_ = linear_of(head_weights_.data(), head_ints.data(), shape_.H);
   }
 
   // x [M, H] float32: the step's embeddings, the residual stream (changed in place); positions,
@@ -209,25 +218,29 @@ class DecodeLayersRows : public torch::CustomClassHolder {
     const StepInputs s{M, block_size, num_blocks * block_size * D, block_table.stride(0), pos, index, table, lens,
                        cos.data_ptr<float>(), sin.data_ptr<float>(), scale_};
     at::Tensor y = at::empty({M, H}, x.options());
+    at::Tensor logits = head_ ? at::empty({M, head_->N}, x.options()) : at::Tensor();
     switch (k0.scalar_type()) {
-      case at::kHalf: run<c10::Half>(s, x, y); break;
-      case at::kBFloat16: run<c10::BFloat16>(s, x, y); break;
-      default: run<float>(s, x, y);
+      case at::kHalf: run<c10::Half>(s, x, y, logits); break;
+      case at::kBFloat16: run<c10::BFloat16>(s, x, y, logits); break;
+      default: run<float>(s, x, y, logits);
     }
-    return y;
+    return head_ ? logits : y;
   }
 
  private:
   template <typename C>  // the caches' dtype
-  void run(const StepInputs& s, at::Tensor& x, at::Tensor& y) const {
+  void run(const StepInputs& s, at::Tensor& x, at::Tensor& y, at::Tensor& logits) const {
     Step<C> step{s, shape_, {}};
     tokenmill_layers::run_layers<float, float>(step, layers_, shape_, s.M, eps_, final_norm_.data_ptr<float>(),
                                                x.data_ptr<float>(), y.data_ptr<float>(),
-                                               std::max(1, at::get_num_threads()));
+                                               std::max(1, at::get_num_threads()), head_ ? &*head_ : nullptr,
+                                               head_ ? logits.data_ptr<float>() : nullptr);
   }
 
   std::vector<at::Tensor> weights_;  // what layers_ points into, kept alive
   at::Tensor final_norm_;
+  std::vector<at::Tensor> head_weights_;
+  std::optional<Linear> head_;
   std::vector<Layer> layers_;
   Shape shape_{};
   float scale_;
@@ -238,6 +251,7 @@ class DecodeLayersRows : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.class_<DecodeLayersRows>("DecodeLayersRows")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, double, at::Tensor>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, double, double, at::Tensor,
+                       std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward", &DecodeLayersRows::forward);
 }
