@@ -230,3 +230,92 @@ def test_outputs_cross_without_their_prompts_and_get_them_back():
     (output,) = asyncio.run(body())
     assert output.prompt_token_ids == list(range(300)) and output.prompt == "text"
     assert output.outputs[0].text == " done"
+
+
+class _FakeProcess:
+    """An engine process as the client sees it, ended when the test says."""
+
+    def __init__(self) -> None:
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _client_reading_on_a_loop(tmp_path: Path):
+    """(client, engine's end of the results socket, loop, the loop's thread, delivered results)."""
+    import asyncio
+    import threading
+
+    import zmq
+
+    from tokenmill.engine.engine_client import EngineProcessClient, RemoteEngine
+    from tokenmill.engine.engine_process import EngineProcessArgs
+
+    args = EngineProcessArgs(None, f"ipc://{tmp_path}/commands", f"ipc://{tmp_path}/results")
+    client = EngineProcessClient(args, _FakeProcess(), tmp_path / "gone-at-shutdown")
+    client.engine = RemoteEngine(info=None, tokenizer=None, grammars=None, latest_stats=_stats())
+    engine_end = zmq.Context.instance().socket(zmq.PUSH)
+    engine_end.connect(args.results_address)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    delivered = []
+    ready = threading.Event()
+
+    def attach() -> None:
+        client.read_on(loop, lambda result: delivered.append((threading.get_ident(), result)))
+        ready.set()
+
+    loop.call_soon_threadsafe(attach)
+    assert ready.wait(5)
+    return client, engine_end, loop, thread, delivered
+
+
+def _stop_loop(client, engine_end, loop, thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+    engine_end.close(linger=0)
+    client._close_sockets()
+
+
+@pytest.mark.parametrize("ending", ["stop", "dead", "killed"])
+def test_results_read_on_the_event_loop_arrive_there_and_the_end_is_reported(tmp_path, ending):
+    """With read_on, each step's result is delivered on the loop's own thread, in order, with no
+    thread in between; run() returns None after a STOP, the engine's own DEAD message (even when
+    the process is already gone by the time run() looks), or 'gone' for a process that just died."""
+    from tokenmill.errors import EngineDeadError
+
+    client, engine_end, loop, thread, delivered = _client_reading_on_a_loop(tmp_path)
+    codec = wire.Codec()
+    try:
+        for i in range(3):
+            engine_end.send_multipart(codec.encode(wire.STEP, StepResult(float(i), [], _stats(), {})))
+        assert wait_until(lambda: len(delivered) == 3, 5)
+        assert {ident for ident, _ in delivered} == {thread.ident}
+        assert [result.end_time for _, result in delivered] == [0.0, 1.0, 2.0]
+        if ending == "stop":
+            client._stop_sent = True
+            engine_end.send_multipart(codec.encode(wire.STEP, StepResult(3.0, [], _stats(), {})))
+            client.process.exitcode = 0
+        elif ending == "dead":
+            engine_end.send_multipart(codec.encode(wire.DEAD, wire.to_wire_error(EngineDeadError("out of luck"))))
+            client.process.exitcode = 1
+        else:
+            client.process.exitcode = -9
+        outcome = client.run()
+        if ending == "stop":
+            assert outcome is None and len(delivered) == 4  # what came before the exit was read
+        elif ending == "dead":
+            assert isinstance(outcome, EngineDeadError) and outcome.message == "out of luck"
+        else:
+            assert isinstance(outcome, EngineDeadError) and "gone" in outcome.message
+        engine_end.send_multipart(codec.encode(wire.STEP, StepResult(9.0, [], _stats(), {})))
+        time.sleep(0.2)
+        assert all(result.end_time != 9.0 for _, result in delivered)  # run() ended the reading
+    finally:
+        _stop_loop(client, engine_end, loop, thread)

@@ -14,6 +14,7 @@ from tokenmill.engine.engine_info import EngineStats
 from tokenmill.engine.kv_cache_manager import KVCacheStats
 from tokenmill.engine.metrics import CostModel, LatencyWindow, StepStats, UtilizationWindow
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.server import metrics as server_metrics
 from tokenmill.server.metrics import ServingMetrics
 from tokenmill.server.recent_requests import RecentRequests
 from tokenmill.server.stats_feed import StatsFeed, history_point
@@ -112,6 +113,30 @@ def test_snapshot_counts_ttft_and_itl_samples_like_the_histograms():
     ttft = metrics.ttft_window.quantiles((0.5,), T0 + 5)
     assert scraped["tokenmill:time_to_first_token_seconds_count"] == 2 and not math.isnan(ttft[0])
     assert len(metrics.itl_window._samples) == scraped["tokenmill:inter_token_latency_seconds_count"] == 6
+
+
+def test_per_token_counts_reach_the_histograms_once_and_stay_bounded_unscraped(monkeypatch):
+    """A step only counts; /metrics exports what was counted since the last read, once, and a
+    server nobody scrapes exports every MAX_UNEXPORTED steps' latencies instead of keeping them."""
+    monkeypatch.setattr(server_metrics, "MAX_UNEXPORTED", 10)
+    metrics = ServingMetrics("m")
+    stats = EngineStats(1, 0, 0, _kv(1, 0, 0), num_steps=0)
+    metrics.observe_step(T0, [_output("a", [1], "x", T0)], stats)
+    for i in range(1, 26):  # 25 more steps, two tokens each
+        metrics.observe_step(T0 + 0.1 * i, [_output("a", [2 * i, 2 * i + 1], "yz", T0)], stats)
+        assert len(metrics._unexported_itls) <= 10
+    def scrape() -> dict[str, float]:
+        return {sample.name.removeprefix("tokenmill:") + sample.labels.get("le", ""): sample.value
+                for family in text_string_to_metric_families(metrics.render(T0 + 3).decode())
+                for sample in family.samples if "inter_token" in sample.name or "generation" in sample.name}
+
+    scraped = scrape()
+    assert scraped["inter_token_latency_seconds_count"] == 50
+    assert scraped["inter_token_latency_seconds_sum"] == pytest.approx(50 * 0.05)  # two tokens per 0.1 s
+    assert scraped["inter_token_latency_seconds_bucket0.04"] == 0
+    assert scraped["inter_token_latency_seconds_bucket0.06"] == 50
+    assert scraped["generation_tokens_total"] == 51
+    assert scrape() == scraped  # a second read counts nothing twice
 
 
 def test_latency_window_quantiles_and_expiry():

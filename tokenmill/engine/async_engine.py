@@ -3,8 +3,9 @@
 The engine runs elsewhere: on a thread of this process (an EngineLoop, the default here) or in
 an engine process of its own (EngineProcessClient, what `tokenmill serve` uses). Either way the
 event loop hands it add/abort commands with submit() and gets back each step's outputs in one
-call_soon_threadsafe, so HTTP never waits for a forward pass and a forward pass never waits for
-HTTP. (Torch releases the GIL inside its kernels, which is where a step spends its time.)
+call (call_soon_threadsafe from the engine's thread; an engine process's results are read on the
+loop itself), so HTTP never waits for a forward pass and a forward pass never waits for HTTP.
+(Torch releases the GIL inside its kernels, which is where a step spends its time.)
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class EngineCore(Protocol):
     def request_stop(self) -> None: ...
 
     def run(self) -> EngineDeadError | None: ...
+
+    # optional: read_on(loop, deliver), results read on the event loop itself (EngineProcessClient)
 
 
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds an output may wait for its reader before the request is aborted
@@ -101,6 +104,9 @@ class AsyncLLMEngine:
     def attach(self) -> None:
         """Bind to the running event loop (the one whose tasks read the outputs)."""
         self._loop = asyncio.get_running_loop()
+        read_on = getattr(self.core, "read_on", None)  # an engine process's results: read on this loop
+        if read_on is not None:
+            read_on(self._loop, self._deliver)
         self._idle.set()
         self._attached.set()
 

@@ -115,7 +115,7 @@ def _cache_key(path: Path) -> str:
     of the file (a GGUF) or of each file in the directory, and transformers' version (read without
     importing it: ~1 s)."""
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    stats = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+    stats = [f"{f.name}:{s.st_size}:{s.st_mtime_ns}" for f, s in ((f, f.stat()) for f in files)]
     key = "|".join([str(path.resolve()), *stats, importlib.metadata.version("transformers")])
     return hashlib.sha1(key.encode()).hexdigest()[:16]
 

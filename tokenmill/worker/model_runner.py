@@ -100,12 +100,9 @@ class ModelRunner:
         ctx = AttentionContext(backend=self.backend, metadata=metadata, kv_caches=self.kv_caches)
         if self.decode_plan is not None and DecodePlan.covers(input_ids, ctx):
             out, are_logits = self.decode_plan.forward(input_ids, metadata.positions, ctx)  # [T, hidden] or [T, vocab]
-            if are_logits:
-                return self._logits(batch, out, are_logits=True)
-            hidden = out
         else:
-            hidden = self.model(input_ids, metadata.positions, ctx)
-        return self._logits(batch, hidden)
+            out, are_logits = self.model(input_ids, metadata.positions, ctx), False
+        return self._logits(batch, out, are_logits)
 
     def _logits(self, batch: ForwardInput, rows_out: torch.Tensor, are_logits: bool = False) -> torch.Tensor | None:
         """The logits of the rows that need them, from every row's hidden state, or from every row's
