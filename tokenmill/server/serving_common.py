@@ -141,8 +141,11 @@ def now_seconds() -> int:
     return int(time.time())
 
 
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # json.dumps would build one per event
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_SSE_JSON.encode(payload)}\n\n"
 
 
 def sse_response(chunks: AsyncIterator[dict], log: ResponseLog) -> StreamingResponse:
