@@ -5,17 +5,20 @@
 // projection's activations are rounded and multiplied, and how attention reads its cache, each
 // file's Step supplies.
 //
-// Per layer, in phases (`single`: one thread, the others wait at its end):
-//   single  h = norm(residual [+= previous down]); h rounded per group of q/k/v's weight
-//   all     qkv = h @ Wqkv, each thread a share of the output
-//   all     per (sequence, kv head): rotary of its k and q heads, its new k/v into the cache, attention
-//   single  attention output rounded             all  o = . @ Wo
-//   single  h = norm(residual += o); rounded     all  gate_up = h @ Wgu
-//   single  silu(gate) * up; rounded             all  down = . @ Wdown
+// Per layer, in phases, a barrier after each (what every thread does alike, it does itself:
+// the norms, silu * up and the rounding are a few microseconds a layer, less than a barrier and the
+// wait for one thread to do them alone; the threads compute the same values bit for bit):
+//   every thread  h = norm(residual [+= previous down]), rounded per group of q/k/v's weight;
+//                 qkv = h @ Wqkv, its share of the output
+//   per (sequence, kv head): rotary of its k and q heads, its new k/v into the cache, attention
+//   every thread  the attention output rounded; o = . @ Wo, its share
+//   every thread  h = norm(residual += o), rounded; gate_up = h @ Wgu, its share
+//   every thread  silu(gate) * up, rounded; down = . @ Wdown, its share
 // and after the last layer the final norm (residual += down), and, where the model's head is given,
-//   single  its input rounded                    all  logits = . @ Whead, as float32
-// Before each barrier a thread asks for the first bytes of its share of the next weight, so they
-// arrive while it waits.
+// its input rounded and logits = . @ Whead, as float32. Each thread keeps its own residual stream
+// (thread 0's is the caller's), normed rows and rounded activations; the products' outputs are
+// shared. Before each barrier a thread asks for the first bytes of its share of the next weight,
+// so they arrive while it waits.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -90,21 +93,26 @@ std::vector<Layer<Linear>> layers_of(const std::vector<at::Tensor>& weights, con
   return layers;
 }
 
-// One step's activations between the phases, [M, width] each.
+// One step's products, shared between the threads (each writes its share), [M, width] each.
 template <typename T>
 struct Buffers {
-  std::vector<T> h, qkv, attn, o, gate_up, gated, down;
+  std::vector<T> qkv, attn, o, gate_up, down;
   Buffers(int64_t M, const Shape& s)
-      : h(M * s.H), qkv(M * s.qkv_width()), attn(M * s.num_heads * s.D), o(M * s.H), gate_up(M * 2 * s.I),
-        gated(M * s.I), down(M * s.H) {}
+      : qkv(M * s.qkv_width()), attn(M * s.num_heads * s.D), o(M * s.H), gate_up(M * 2 * s.I), down(M * s.H) {}
+};
+
+// What each thread computes for itself between the products, [M, width] each.
+template <typename T>
+struct ThreadRows {
+  std::vector<T> residual, h, gated;
+  ThreadRows(int64_t M, const Shape& s) : residual(M * s.H), h(M * s.H), gated(M * s.I) {}
 };
 
 // The step through every layer: x [M, H] is the residual stream (changed in place), y [M, H] gets
 // the final norm; with a head (else nullptr), logits [M, head->N] get y @ head as the head's own
-// call would give them (its output dtype T, then float32). Step supplies (its round() runs on one
-// thread, the others on all):
+// call would give them (its output dtype T, then float32). Step supplies (all run on every thread):
 //   Scratch scratch(int threads)                     each thread's own buffers
-//   void round(const Linear& w, const T* x, M)       x [M, w.K] rounded for w
+//   void round(const Linear& w, const T* x, M, Scratch&)   x [M, w.K] rounded for w, into the thread's scratch
 //   void multiply(const Linear& w, M, thread, threads, Scratch&, T* out)   out [M, w.N], the thread's share
 //   void attend(const Layer& layer, T* qkv, T* attn, b, kv, Scratch&)      one (sequence, kv head) item
 // and each Linear prefetch_share(thread, threads).
@@ -125,42 +133,39 @@ void run_layers(Step& step, const std::vector<Layer<Linear>>& layers, const Shap
   {
     const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
     auto scratch = step.scratch(threads);
+    ThreadRows<T> mine(M, shape);
+    T* res = mine.residual.data();
+    if (thread == 0) {
+      res = residual;
+    } else {
+      std::copy(residual, residual + M * H, res);
+    }
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer<Linear>& layer = layers[i];
-#pragma omp single
-      {
-        if (i == 0) {
-          norm(residual, nullptr, layer.input_norm, b.h.data());
-        } else {
-          norm(b.down.data(), residual, layer.input_norm, b.h.data());
-        }
-        step.round(layer.qkv, b.h.data(), M);
+      if (i == 0) {
+        norm(res, nullptr, layer.input_norm, mine.h.data());
+      } else {
+        norm(b.down.data(), res, layer.input_norm, mine.h.data());
       }
+      step.round(layer.qkv, mine.h.data(), M, scratch);
       step.multiply(layer.qkv, M, thread, threads, scratch, b.qkv.data());
       layer.o.prefetch_share(thread, threads);
 #pragma omp barrier
       for (int64_t item = items * thread / threads; item < items * (thread + 1) / threads; ++item)
         step.attend(layer, b.qkv.data(), b.attn.data(), item / shape.num_kv_heads, item % shape.num_kv_heads, scratch);
 #pragma omp barrier
-#pragma omp single
-      step.round(layer.o, b.attn.data(), M);
+      step.round(layer.o, b.attn.data(), M, scratch);
       step.multiply(layer.o, M, thread, threads, scratch, b.o.data());
       layer.gate_up.prefetch_share(thread, threads);
 #pragma omp barrier
-#pragma omp single
-      {
-        norm(b.o.data(), residual, layer.post_norm, b.h.data());
-        step.round(layer.gate_up, b.h.data(), M);
-      }
+      norm(b.o.data(), res, layer.post_norm, mine.h.data());
+      step.round(layer.gate_up, mine.h.data(), M, scratch);
       step.multiply(layer.gate_up, M, thread, threads, scratch, b.gate_up.data());
       layer.down.prefetch_share(thread, threads);
 #pragma omp barrier
-#pragma omp single
-      {
-        for (int64_t m = 0; m < M; ++m)
-          tokenmill_rows::silu_and_mul_row(b.gate_up.data() + m * 2 * I, b.gated.data() + m * I, I);
-        step.round(layer.down, b.gated.data(), M);
-      }
+      for (int64_t m = 0; m < M; ++m)
+        tokenmill_rows::silu_and_mul_row(b.gate_up.data() + m * 2 * I, mine.gated.data() + m * I, I);
+      step.round(layer.down, mine.gated.data(), M, scratch);
       step.multiply(layer.down, M, thread, threads, scratch, b.down.data());
       if (i + 1 < layers.size()) {
         layers[i + 1].qkv.prefetch_share(thread, threads);
@@ -170,11 +175,9 @@ void run_layers(Step& step, const std::vector<Layer<Linear>>& layers, const Shap
 #pragma omp barrier
     }
     if (head != nullptr) {
-#pragma omp single
-      {
-        norm(b.down.data(), residual, final_norm, y);
-        step.round(*head, y, M);
-      }
+      T* normed = thread == 0 ? y : mine.h.data();  // thread 0's final norm is the caller's y
+      norm(b.down.data(), res, final_norm, normed);
+      step.round(*head, normed, M, scratch);
       if constexpr (std::is_same_v<T, float>) {
         step.multiply(*head, M, thread, threads, scratch, logits);
       } else {

@@ -88,8 +88,8 @@ Linear linear_of(const at::Tensor* t, const int64_t* ints, int64_t K) {
           bits, G, N, K, codes.size(0), ints[3] != 0};
 }
 
-// The activations a projection multiplies, quantized per group of its weight (one thread writes,
-// all read after the barrier).
+// The activations a projection multiplies, quantized per group of its weight (each thread its own
+// copy).
 struct Activations {
   std::vector<int8_t> q, q2;
   std::vector<float> d, sums;
@@ -137,23 +137,23 @@ template <typename T>
 struct Step {
   const StepInputs& s;
   const Shape& shape;
-  int64_t max_blocks;
-  Activations act;
+  int64_t max_blocks, M, max_K;
   std::vector<T> q_rows;  // each sequence's query heads after rotary, [M, num_heads * D]
 
   struct Scratch {
     std::vector<float> local, scores;
+    Activations act;
   };
   Scratch scratch(int threads) const {
     return {std::vector<float>(kPassRows * (max_blocks / threads + 2) * kLanes),
-            std::vector<float>(s.geometry.groups * s.geometry.context)};
+            std::vector<float>(s.geometry.groups * s.geometry.context), Activations(M, max_K)};
   }
-  void round(const Linear& w, const T* x, int64_t M) { act.quantize(x, M, w); }
-  void multiply(const Linear& w, int64_t M, int thread, int threads, Scratch& scratch, T* out) const {
+  void round(const Linear& w, const T* x, int64_t rows, Scratch& scratch) const { scratch.act.quantize(x, rows, w); }
+  void multiply(const Linear& w, int64_t rows, int thread, int threads, Scratch& scratch, T* out) const {
     if (w.half_scales) {
-      gemv_share<T, c10::Half>(w, act, M, thread, threads, scratch.local.data(), out);
+      gemv_share<T, c10::Half>(w, scratch.act, rows, thread, threads, scratch.local.data(), out);
     } else {
-      gemv_share<T, float>(w, act, M, thread, threads, scratch.local.data(), out);
+      gemv_share<T, float>(w, scratch.act, rows, thread, threads, scratch.local.data(), out);
     }
   }
 
@@ -253,7 +253,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       for_dtype(final_norm_, "norm weights", [&](auto wt) {
         using W = decltype(wt);
         if constexpr (!std::is_same_v<T, float>) {
-          Step<T> step{s, shape_, max_blocks_, Activations(M, max_K), std::vector<T>(M * shape_.num_heads * D)};
+          Step<T> step{s, shape_, max_blocks_, M, max_K, std::vector<T>(M * shape_.num_heads * D)};
           tokenmill_layers::run_layers<T, W>(step, layers_, shape_, M, eps_, final_norm_.data_ptr<W>(),
                                              x.data_ptr<T>(), y.data_ptr<T>(), num_threads, head_ ? &*head_ : nullptr,
                                              head_ ? logits.data_ptr<float>() : nullptr);

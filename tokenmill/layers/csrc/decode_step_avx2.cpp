@@ -122,13 +122,15 @@ template <typename C>
 struct Step {
   const StepInputs& s;
   const Shape& shape;
-  QuantizedActivations act;
 
-  using Scratch = tokenmill_rows::AttentionScratch;
+  struct Scratch {
+    tokenmill_rows::AttentionScratch attention;
+    QuantizedActivations act;
+  };
   Scratch scratch(int) const { return {}; }
-  void round(const Linear& w, const float* x, int64_t M) { w.round(x, M, act); }
-  void multiply(const Linear& w, int64_t M, int thread, int threads, Scratch&, float* out) const {
-    w.multiply(act, M, thread, threads, out);
+  void round(const Linear& w, const float* x, int64_t M, Scratch& scratch) const { w.round(x, M, scratch.act); }
+  void multiply(const Linear& w, int64_t M, int thread, int threads, Scratch& scratch, float* out) const {
+    w.multiply(scratch.act, M, thread, threads, out);
   }
 
   // Rotary, KV write and attention of sequence b's kv head kv (its group of query heads), as
@@ -149,7 +151,7 @@ struct Step {
     const tokenmill_rows::AttentionItem item{groups, D, s.seq_lens[b], s.block_size, s.block_table + b * s.table_stride,
                                              s.scale};
     tokenmill_rows::attend_item(item, row + kv * groups * D, k_cache + kv * s.head_stride, v_cache + kv * s.head_stride,
-                                out + (b * num_heads + kv * groups) * D, scratch);
+                                out + (b * num_heads + kv * groups) * D, scratch.attention);
   }
 };
 
@@ -230,7 +232,7 @@ class DecodeLayersRows : public torch::CustomClassHolder {
  private:
   template <typename C>  // the caches' dtype
   void run(const StepInputs& s, at::Tensor& x, at::Tensor& y, at::Tensor& logits) const {
-    Step<C> step{s, shape_, {}};
+    Step<C> step{s, shape_};
     tokenmill_layers::run_layers<float, float>(step, layers_, shape_, s.M, eps_, final_norm_.data_ptr<float>(),
                                                x.data_ptr<float>(), y.data_ptr<float>(),
                                                std::max(1, at::get_num_threads()), head_ ? &*head_ : nullptr,
