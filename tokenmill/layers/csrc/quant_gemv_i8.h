@@ -40,18 +40,6 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 
-// sum over g < n of a[g] * b[g] (a row's offsets times the group sums of x).
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float total = horizontal_sum(acc);
-  // fused by hand: whether the compiler fuses `total += a * b` depends on where it is inlined, and the
-  // few-row and batched loops must round alike
-  for (; i < n; ++i) total = std::fma(a[i], b[i], total);
-  return total;
-}
-
 // ---- activations rounded per group ----------------------------------------------------------
 
 // x rounded per row and group: q1 (and q2) int8 [M, K], their scale per group, and group sums.
@@ -183,8 +171,16 @@ inline __m256 add_group(__m256i codes, const int8_t* q1, const int8_t* q2, __m25
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc);
 }
 
+// The pair's product: its scaled integer sums plus the weight's offsets times the group sums of x,
+// the offsets' vector part added into the same accumulator, so one horizontal sum a pair.
 inline float finish_pair(__m256 acc, const float* offsets, const float* x_sums, int64_t groups) {
-  return horizontal_sum(acc) + dot(offsets, x_sums, groups);
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(offsets + g), _mm256_loadu_ps(x_sums + g), acc);
+  float total = horizontal_sum(acc);
+  // fused by hand: whether the compiler fuses `total += a * b` depends on where it is inlined, and the
+  // few-row and batched loops must round alike
+  for (; g < groups; ++g) total = std::fma(offsets[g], x_sums[g], total);
+  return total;
 }
 
 // A row's group offsets as they meet the group sums of x: 8-bit codes went in as u - 128.
@@ -222,30 +218,39 @@ inline void scale_products(const float* w, const float* sx, int64_t groups, floa
 
 // NR output rows [n, n + NR) of gemv_i8_rows_g32, side by side: NR x ROWS accumulators, each its
 // own chain of multiply-adds (one row alone waits on the float multiply-add's latency every group).
-// buf: float scratch of NR * (2 + ROWS) * groups (+ NR * groups for 8-bit codes).
+// The NR rows' scales and offsets are contiguous: converted, and (one activation row) multiplied by
+// sx_tiled (the row's group scales NR times over), NR rows at a time, so that a short row (the
+// default model's 18 groups) pays one vector tail a block rather than three scalar ones a row (the
+// few-row loop spent half its time outside the products). buf: float scratch of
+// NR * (3 + ROWS) * groups.
 template <int ROWS, int NR, int BITS, bool TWO_PARTS, typename S>
 inline void outputs_g32(const QuantizedActivations& a, int64_t row0, const uint8_t* codes, const S* scales,
-                        const S* offsets, int64_t n, int64_t n_end, int64_t K, float* buf, float* out,
-                        int64_t out_stride) {
-  const int64_t row_bytes = BITS == 8 ? K : K / 2, groups = K / 32, full = K - K % kChunk;
+                        const S* offsets, int64_t n, int64_t n_end, int64_t K, const float* sx_tiled, float* buf,
+                        float* out, int64_t out_stride) {
+  const int64_t row_bytes = BITS == 8 ? K : K / 2, groups = K / 32, full = K - K % kChunk, block = NR * groups;
   const int8_t* q1 = a.q1.data() + row0 * K;
   const int8_t* q2 = TWO_PARTS ? a.q2.data() + row0 * K : nullptr;
   const float* sx = a.scale.data() + row0 * groups;
   const float* sums = a.sums.data() + row0 * groups;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const uint8_t* w[NR];
-  const float *s[NR], *o[NR], *p[NR];
+  const float* s = as_float(scales + n * groups, buf, block);
+  const float* o = as_float(offsets + n * groups, buf + block, block);
+  float* products = buf + 2 * block;  // output row j's for activation row r at (j * ROWS + r) * groups
+  if constexpr (ROWS == 1) {
+    int64_t i = 0;
+    for (; i + 8 <= block; i += 8)
+      _mm256_storeu_ps(products + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(sx_tiled + i)));
+    for (; i < block; ++i) products[i] = s[i] * sx_tiled[i];
+  } else {
+    for (int j = 0; j < NR; ++j) scale_products<ROWS>(s + j * groups, sx, groups, products + j * ROWS * groups);
+  }
   for (int j = 0; j < NR; ++j) {
     w[j] = codes + (n + j) * row_bytes;
     if (n + j + kAhead < n_end) {  // the row kAhead rows on, into L2: the weights come from DRAM
       for (int64_t b = 0; b < row_bytes; b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w[j] + kAhead * row_bytes + b), _MM_HINT_T1);
     }
-    float* mine = buf + j * (2 + ROWS) * groups;
-    s[j] = as_float(scales + (n + j) * groups, mine, groups);
-    o[j] = as_float(offsets + (n + j) * groups, mine + groups, groups);
-    scale_products<ROWS>(s[j], sx, groups, mine + 2 * groups);
-    p[j] = mine + 2 * groups;
   }
   __m256 acc[NR][ROWS];
   for (int j = 0; j < NR; ++j)
@@ -262,19 +267,20 @@ inline void outputs_g32(const QuantizedActivations& a, int64_t row0, const uint8
         first = _mm256_and_si256(bytes, nibble);
         second = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
       }
-      group32<ROWS, BITS, TWO_PARTS>(first, q1 + c, TWO_PARTS ? q2 + c : nullptr, K, p[j] + g, groups, acc[j]);
-      group32<ROWS, BITS, TWO_PARTS>(second, q1 + c + 32, TWO_PARTS ? q2 + c + 32 : nullptr, K, p[j] + g + 1, groups,
+      const float* p = products + j * ROWS * groups;
+      group32<ROWS, BITS, TWO_PARTS>(first, q1 + c, TWO_PARTS ? q2 + c : nullptr, K, p + g, groups, acc[j]);
+      group32<ROWS, BITS, TWO_PARTS>(second, q1 + c + 32, TWO_PARTS ? q2 + c + 32 : nullptr, K, p + g + 1, groups,
                                      acc[j]);
     }
   }
   if (full < K) {  // a final 32-column chunk
     for (int j = 0; j < NR; ++j)
       group32<ROWS, BITS, TWO_PARTS>(load_codes32(w[j], full, K, BITS), q1 + full, TWO_PARTS ? q2 + full : nullptr,
-                                     K, p[j] + groups - 1, groups, acc[j]);
+                                     K, products + j * ROWS * groups + groups - 1, groups, acc[j]);
   }
-  float* shifted = buf + NR * (2 + ROWS) * groups;
+  float* shifted = buf + (2 + ROWS) * block;
   for (int j = 0; j < NR; ++j) {
-    const float* offset = code_offsets<BITS>(o[j], s[j], groups, shifted);
+    const float* offset = code_offsets<BITS>(o + j * groups, s + j * groups, groups, shifted);
     for (int r = 0; r < ROWS; ++r) out[r * out_stride + n + j] = finish_pair(acc[j][r], offset, sums + r * groups, groups);
   }
 }
@@ -289,12 +295,18 @@ void gemv_i8_rows_g32(const QuantizedActivations& a, int64_t row0, const uint8_t
                       const S* offsets, int64_t n_begin, int64_t n_end, int64_t K, float* out, int64_t out_stride) {
   constexpr int NR = BITS == 8 ? 1 : ROWS == 1 ? 4 : ROWS == 2 ? 2 : 1;
   const int64_t groups = K / 32;
-  std::vector<float> buf(NR * (3 + ROWS) * groups);
+  std::vector<float> buf(NR * (3 + ROWS) * groups + (ROWS == 1 ? NR * groups : 0));
+  float* sx_tiled = buf.data() + NR * (3 + ROWS) * groups;
+  if constexpr (ROWS == 1) {
+    for (int j = 0; j < NR; ++j) std::copy_n(a.scale.data() + row0 * groups, groups, sx_tiled + j * groups);
+  }
   int64_t n = n_begin;
   for (; n + NR <= n_end; n += NR)
-    outputs_g32<ROWS, NR, BITS, TWO_PARTS, S>(a, row0, codes, scales, offsets, n, n_end, K, buf.data(), out, out_stride);
+    outputs_g32<ROWS, NR, BITS, TWO_PARTS, S>(a, row0, codes, scales, offsets, n, n_end, K, sx_tiled, buf.data(), out,
+                                              out_stride);
   for (; n < n_end; ++n)
-    outputs_g32<ROWS, 1, BITS, TWO_PARTS, S>(a, row0, codes, scales, offsets, n, n_end, K, buf.data(), out, out_stride);
+    outputs_g32<ROWS, 1, BITS, TWO_PARTS, S>(a, row0, codes, scales, offsets, n, n_end, K, sx_tiled, buf.data(), out,
+                                             out_stride);
 }
 
 template <int ROWS, int BITS, bool TWO_PARTS, typename S>
