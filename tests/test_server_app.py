@@ -10,6 +10,8 @@ from server_harness import ServerProcess, free_port, read_event, wait_until
 
 import tokenmill.server.serving_completion as serving_completion
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.errors import InvalidParameterError
 from tokenmill.server.app import build_app
 from tokenmill.server.metrics import ServingMetrics
 from tokenmill.server.serving_common import ServerContext
@@ -28,6 +30,23 @@ def app_server(tiny_llm, tmp_path):
     server.should_exit = True
     thread.join(30)
     assert tiny_llm.engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_the_vocabulary_is_scanned_at_start_on_the_tokenizer_thread(tiny_llm, monkeypatch):
+    """The longest token (for refusing text that can never fit) is found when the server is built,
+    on the thread that owns its tokenizer copy, not in the first request (nor on the event loop)."""
+    scans = []
+    scan = InputProcessor.max_token_chars.fget
+    monkeypatch.setattr(InputProcessor, "max_token_chars",
+                        property(lambda self: scans.append(threading.current_thread().name) or scan(self)))
+    ctx = ServerContext(AsyncLLMEngine(tiny_llm.engine), "tiny", ServingMetrics("tiny"))
+    longest = ctx._max_token_chars.result(timeout=30)
+    assert longest == max(len(t) for t in ctx.inputs.tokenizer.get_vocab())
+    assert len(scans) == 1 and scans[0].startswith("tokenmill-tokenizer")
+    ctx.check_text_length(ctx.max_model_len * longest, "prompt")
+    with pytest.raises(InvalidParameterError, match="can fit"):
+        ctx.check_text_length(ctx.max_model_len * longest + 1, "prompt")
+    assert len(scans) == 1
 
 
 def _fail_call(monkeypatch, target, name: str, *failing_calls: int) -> None:

@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
@@ -53,12 +53,16 @@ class ServerContext:
     tool_parser: ToolParser | None = field(init=False)
     _tokenizer_thread: ThreadPoolExecutor = field(init=False)
     _grammar_thread: ThreadPoolExecutor = field(init=False)
+    _max_token_chars: Future[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.inputs = InputProcessor(copy.deepcopy(self.engine.engine.tokenizer))
         self.tool_parser = choose_tool_parser(self.inputs.tokenizer.chat_template, self.tool_call_parser)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
         self._grammar_thread = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
+        # a pass over the vocabulary (~50-100 ms for 49k tokens): at start, on the tokenizer's own
+        # thread, rather than in the first request's time to first token
+        self._max_token_chars = self._tokenizer_thread.submit(lambda: self.inputs.max_token_chars)
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a request's structured-output constraint off the event loop and the engine loop
@@ -71,16 +75,13 @@ class ServerContext:
         """fn(*args) on the tokenizer thread: tokenizing, chat templates, detokenizing."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
-    @property
-    def max_prompt_chars(self) -> int:
-        return self.max_model_len * self.inputs.max_token_chars
-
     def check_text_length(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing, text that could never fit the context."""
-        if num_chars > self.max_prompt_chars:
+        per_token = self._max_token_chars.result()  # waits only for a request in the first ~0.1 s
+        if num_chars > self.max_model_len * per_token:
             raise InvalidParameterError(
-                f"the {param} has {num_chars} characters; no text over {self.max_prompt_chars} characters "
-                f"(max_model_len {self.max_model_len} x {self.inputs.max_token_chars} per token) can fit", param=param)
+                f"the {param} has {num_chars} characters; no text over {self.max_model_len * per_token} characters "
+                f"(max_model_len {self.max_model_len} x {per_token} per token) can fit", param=param)
 
     def check_request_tokens(self, num_tokens: int) -> None:
         limit = MAX_REQUEST_TOKENS_IN_CONTEXTS * self.max_model_len
