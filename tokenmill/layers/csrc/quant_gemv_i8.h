@@ -238,10 +238,7 @@ inline void outputs_g32(const QuantizedActivations& a, int64_t row0, const uint8
   const float* o = as_float(offsets + n * groups, buf + block, block);
   float* products = buf + 2 * block;  // output row j's for activation row r at (j * ROWS + r) * groups
   if constexpr (ROWS == 1) {
-    int64_t i = 0;
-    for (; i + 8 <= block; i += 8)
-      _mm256_storeu_ps(products + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(sx_tiled + i)));
-    for (; i < block; ++i) products[i] = s[i] * sx_tiled[i];
+    scale_products<1>(s, sx_tiled, block, products);  // the block's rows as one long row
   } else {
     for (int j = 0; j < NR; ++j) scale_products<ROWS>(s + j * groups, sx, groups, products + j * ROWS * groups);
   }
