@@ -13,6 +13,7 @@ import uvicorn
 from tokenmill import SamplingParams
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.errors import ServerBusyError
+from tokenmill.models.model_files import load_tokenizer, resolve_model_path
 from tokenmill.server import launcher
 
 
@@ -60,3 +61,23 @@ def test_a_second_signal_inside_the_first_ones_handler_still_aborts_at_once(tiny
     should_exit, num_tokens = asyncio.run(body())
     assert should_exit and num_tokens < 480
     assert engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_the_tokenizer_and_the_servers_copy_are_made_while_the_engine_loads(monkeypatch):
+    """serve() loads a GGUF's cached tokenizer, with the --chat-template, and ServerContext's copy of
+    it before it waits for the engine process; once the engine is ready neither is made again (the
+    copy was ~0.2 s of every start-up). Another model's tokenizer is loaded, and copied, as before."""
+    path = resolve_model_path(None)
+    load_tokenizer(path)  # the cache entry a first start writes
+    early = launcher._tokenizer_loaded_meanwhile(None, "{{ messages[0].content }}!")
+    assert early.tokenizer is not None and early.server_copy is not None and early.server_copy is not early.tokenizer
+    text = "The mill turns; the miller sings."
+    assert early.server_copy.encode(text) == early.tokenizer.encode(text)
+    for tokenizer in (early.tokenizer, early.server_copy):
+        assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi!"
+    monkeypatch.setattr(launcher, "_load_tokenizer", lambda info: "loaded after the engine")
+    assert early.for_engine(SimpleNamespace(model_path=str(path))) is early.tokenizer
+    assert early.server_copy_of(early.tokenizer) is early.server_copy
+    assert early.for_engine(SimpleNamespace(model_path=str(path) + ".other")) == "loaded after the engine"
+    assert early.server_copy_of("loaded after the engine") is None  # ServerContext copies that one itself
+    assert launcher._tokenizer_loaded_meanwhile(str(path) + ".missing").for_engine(None) == "loaded after the engine"

@@ -709,3 +709,14 @@ def test_unknown_quantization_is_a_load_error(tiny_llama_dir):
 
     with pytest.raises(ModelLoadError, match="quantization must be one of"):
         load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="int3")
+
+
+@pytest.mark.parametrize("num_rows,cols", [(1, 32), (19, 96), (45, 128), (33, 160), (16, 576)])
+def test_4_bit_groups_of_32_interleave_without_unpacking_as_unpacked_they_would(num_rows, cols):
+    """from_rows moves 4-bit codes in groups of 32 straight from the packed bytes (64-column chunks,
+    a last chunk of 32 columns included): the same layout as from the unpacked codes."""
+    q = random_weight(num_rows, cols, 4, 32, seed=cols)
+    pad, shape = -num_rows % 16, (-(-num_rows // 16), cols // 32, -1)
+    moved, unpacked = quantized._moved_quads(q, pad).reshape(shape), quantized._unpacked_quads(q, pad).reshape(shape)
+    assert torch.equal(moved, unpacked)
+    assert torch.equal(InterleavedWeight.from_rows(q).codes, moved)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -30,6 +31,18 @@ def app_server(tiny_llm, tmp_path):
     server.should_exit = True
     thread.join(30)
     assert tiny_llm.engine.kv_cache.stats().num_used_blocks == 0
+
+
+def test_the_server_tokenizes_with_its_own_copy_of_the_engines_tokenizer(tiny_llm):
+    """HF fast tokenizers are not safe to share across threads: the tokenizer thread has a copy, the
+    one the launcher made ahead (while the engine loaded) or else one made here."""
+    engine_tokenizer = tiny_llm.engine.tokenizer
+    made_here = ServerContext(AsyncLLMEngine(tiny_llm.engine), "tiny", ServingMetrics("tiny"))
+    assert made_here.inputs.tokenizer is not engine_tokenizer
+    assert made_here.inputs.tokenizer.encode("the mill") == engine_tokenizer.encode("the mill")
+    ahead = copy.deepcopy(engine_tokenizer)
+    given = ServerContext(AsyncLLMEngine(tiny_llm.engine), "tiny", ServingMetrics("tiny"), own_tokenizer=ahead)
+    assert given.inputs.tokenizer is ahead
 
 
 def test_the_vocabulary_is_scanned_at_start_on_the_tokenizer_thread(tiny_llm, monkeypatch):

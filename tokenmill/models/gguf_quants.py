@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenmill.layers.quantized import QuantizedWeight, compact_scales
+from tokenmill.layers.quantized import QuantizedWeight, compact_scales, regroup_nibbles
 
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
@@ -45,13 +45,9 @@ def _q4_codes(qs: np.ndarray) -> torch.Tensor:
     q = torch.from_numpy(np.ascontiguousarray(qs))
     rows, blocks, _ = q.shape
     pairs = blocks // 2
-    first, second = q[:, 0 : 2 * pairs : 2], q[:, 1 : 2 * pairs : 2]  # columns 64c + [0, 32) and + [32, 64)
-    low = (first & 0xF) | (second << 4)  # chunk bytes 0..15: columns j and j + 32, j < 16
-    high = (first >> 4) | (second & 0xF0)  # chunk bytes 16..31: columns j + 16 and j + 48
-    parts = [torch.cat([low, high], dim=2).reshape(rows, -1)]
-    if blocks % 2:
-        parts.append(q[:, -1])
-    return torch.cat(parts, dim=1).contiguous() if len(parts) > 1 else parts[0]
+    halves = q[:, : 2 * pairs].reshape(rows, pairs, 2, 16).view(torch.int64).permute(2, 0, 1, 3).contiguous()
+    codes = regroup_nibbles(halves).view(torch.uint8).reshape(rows, -1)  # blocks 2c and 2c + 1 as chunk c
+    return torch.cat([codes, q[:, -1]], dim=1) if blocks % 2 else codes
 
 
 def repack(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:

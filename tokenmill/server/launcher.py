@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import secrets
 import signal
@@ -156,11 +157,12 @@ def serve(options: ServeOptions) -> int:
     if options.engine_process and options.rendezvous is None:
         client = EngineProcessClient.start(config, options.peak_tflops, options.peak_bandwidth_gbs)
         try:
-            tokenizer_for = _tokenizer_loaded_meanwhile(config.model)
+            early = _tokenizer_loaded_meanwhile(config.model, chat_template)
             _import_http_stack()  # meanwhile too
-            engine = client.wait_ready(tokenizer_for, _grammar_compiler)
+            engine = client.wait_ready(early.for_engine, _grammar_compiler)
             return _serve(options, AsyncLLMEngine(core=client, **_engine_options(options)), engine.info.peaks,
-                          engine.info.dtype, chat_template, measure_here=False, kv_cache_dtype=engine.info.kv_cache_dtype)
+                          engine.info.dtype, chat_template, measure_here=False, kv_cache_dtype=engine.info.kv_cache_dtype,
+                          server_tokenizer=early.server_copy_of(engine.tokenizer))
         finally:
             client.shutdown()
     from tokenmill.engine.engine_core import LLMEngine  # torch: only a process that runs the engine loads it
@@ -260,21 +262,42 @@ def _load_tokenizer(info: EngineInfo):
     return load_tokenizer(Path(info.model_path))
 
 
-def _tokenizer_loaded_meanwhile(model: str | None) -> Callable[[EngineInfo], object]:
-    """Load a GGUF's cached tokenizer now, while the engine process loads the model (~1 s of
-    start-up each); returns what gives wait_ready the tokenizer of the model the engine loaded.
-    Anything else waits for the engine: a model that cannot be found or read (the engine reports
-    why), and a first conversion (the engine's caches it; converting here would import torch)."""
+@dataclass
+class EarlyTokenizer:
+    """A GGUF's cached tokenizer, and the server's own copy of it (ServerContext's, for its tokenizer
+    thread), both made while the engine process loads the model; None where that could not be."""
+
+    path: Path | None = None
+    tokenizer: object | None = None
+    server_copy: object | None = None
+
+    def for_engine(self, info: EngineInfo) -> object:
+        """The tokenizer of the model the engine loaded (wait_ready's load_tokenizer)."""
+        return self.tokenizer if self.tokenizer is not None and Path(info.model_path) == self.path \
+            else _load_tokenizer(info)
+
+    def server_copy_of(self, tokenizer: object) -> object | None:
+        return self.server_copy if tokenizer is self.tokenizer else None
+
+
+def _tokenizer_loaded_meanwhile(model: str | None, chat_template: str | None = None) -> EarlyTokenizer:
+    """Load a GGUF's cached tokenizer (with the --chat-template given), and copy it, now, while the
+    engine process loads the model (~1 s of start-up each; the copy ~0.2 s, which ServerContext made
+    once the engine was ready). Anything else waits for the engine: a model that cannot be found or
+    read (the engine reports why), and a first conversion (the engine's caches it; converting here
+    would import torch)."""
     from tokenmill.models.model_files import cached_tokenizer, resolve_model_path
 
     try:
         path = resolve_model_path(model)
     except TokenmillError:
-        return _load_tokenizer
+        return EarlyTokenizer()
     early = cached_tokenizer(path)
     if early is None:
-        return _load_tokenizer
-    return lambda info: early if Path(info.model_path) == path else _load_tokenizer(info)
+        return EarlyTokenizer()
+    if chat_template is not None:
+        early.chat_template = chat_template
+    return EarlyTokenizer(path, early, copy.deepcopy(early))
 
 
 def _grammar_compiler(tokenizer, info: EngineInfo) -> GrammarCompiler:
@@ -284,6 +307,8 @@ def _grammar_compiler(tokenizer, info: EngineInfo) -> GrammarCompiler:
 def _import_http_stack():
     """The HTTP stack's modules (fastapi, pydantic: ~0.35 s of imports), imported only after the
     engine process was forked, and while it loads the model, so that the two start-ups overlap."""
+    import pydantic.v1  # noqa: F401  (fastapi imports it as it builds the routes, to spot v1 models: ~40 ms)
+
     from tokenmill.server.app import build_app
     from tokenmill.server.metrics import ServingMetrics
     from tokenmill.server.reasoning import REASONING_PARSERS
@@ -294,11 +319,12 @@ def _import_http_stack():
 
 def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePeaks, dtype: str,
            chat_template: str | None, measure_here: bool, replicas: ReplicaSet | None = None,
-           kv_cache_dtype: str = "") -> int:
+           kv_cache_dtype: str = "", server_tokenizer: object | None = None) -> int:
     """Serve an engine (here or in its process) until a drain or its death; returns the exit status.
 
     peaks: the device's, known so far (an engine process fills them in when it has measured the
-    CPU; measure_here: measure it from this process, while the engine is idle)."""
+    CPU; measure_here: measure it from this process, while the engine is idle). server_tokenizer:
+    the server's own copy of the engine's tokenizer, if one was made ahead."""
     build_app, ServingMetrics, REASONING_PARSERS, ServerContext = _import_http_stack()
 
     engine = async_engine.engine
@@ -315,7 +341,7 @@ def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePea
         metrics.replica_source = replicas.statuses
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
-    ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts,
+    ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts, own_tokenizer=server_tokenizer,
                         model_aliases=frozenset({options.model} if options.model else ()),
                         tool_call_parser=options.tool_call_parser,
                         reasoning_parser=None if options.reasoning_parser is None
