@@ -240,7 +240,7 @@ def _unpacked_quads(q: QuantizedWeight, pad: int) -> torch.Tensor:
 
 
 def _moved_quads(q: QuantizedWeight, pad: int) -> torch.Tensor:
-    """_unpacked_quads of 4-bit codes in groups of 32 (~3x faster, most of interleaving at load): a
+    """_unpacked_quads of 4-bit codes in groups of 32 (~2.5x faster, most of interleaving at load): a
     quad's 4 bytes of two nibbles are bytes 4 j .. 4 j + 3 of its group in GGUF block order, moved
     as one int32 word."""
     words = _group_words_of_32(q.codes, q.shape[1])
@@ -248,23 +248,23 @@ def _moved_quads(q: QuantizedWeight, pad: int) -> torch.Tensor:
     return words.view(-1, LANES, words.shape[1], 4).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
 
 
-def regroup_nibbles(halves: torch.Tensor) -> torch.Tensor:
-    """Two 16-byte halves [2, ..., 2] (int64 words) -> [..., 2, 2]: the first half's low nibbles with
-    the second's as their high ones, then both halves' high nibbles. It takes a 64-column chunk of
-    the row layout (bytes j: columns j and j + 32) to its two groups of 32 as a GGUF Q4 block holds
-    them (byte i: columns i and i + 16), and two such blocks back to a chunk. Eight bytes a word,
-    masked: no shift crosses a byte."""
+def regroup_nibbles(pairs: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 32], two 16-byte halves, -> the same shape: the first half's low nibbles with the
+    second's as their high ones, then both halves' high nibbles. That takes a 64-column chunk of the
+    row layout (byte j: columns j and j + 32) to its two groups of 32 as a GGUF Q4 block holds them
+    (byte i: columns i and i + 16), and two such blocks back to a chunk. Eight bytes a word, masked:
+    no shift crosses a byte (~2x the speed of the same on bytes)."""
     low = 0x0F0F0F0F0F0F0F0F
-    first, second = halves[0], halves[1]
-    return torch.stack([(first & low) | ((second & low) << 4), ((first >> 4) & low) | (second & ~low)], dim=-2)
+    first, second = pairs.reshape(-1, 2, 16).view(torch.int64).transpose(0, 1).contiguous()
+    regrouped = torch.stack([(first & low) | ((second & low) << 4), ((first >> 4) & low) | (second & ~low)], dim=1)
+    return regrouped.view(torch.uint8).reshape(pairs.shape)
 
 
 def _group_words_of_32(codes: torch.Tensor, cols: int) -> torch.Tensor:
     """4-bit codes [N, K / 2] in the row layout as int32 words [N, K / 32, 4], per group of 32
     columns: word j holding the group's bytes 4 j .. 4 j + 3 (GGUF Q4 block order)."""
     rows, full = codes.shape[0], cols - cols % CHUNK
-    halves = codes[:, : full // 2].reshape(rows, -1, 2, 16).view(torch.int64).permute(2, 0, 1, 3).contiguous()
-    groups = regroup_nibbles(halves).view(torch.int32).reshape(rows, -1, 4)
+    groups = regroup_nibbles(codes[:, : full // 2].reshape(rows, -1, 32)).view(torch.int32).reshape(rows, -1, 4)
     if cols % CHUNK:  # a last chunk of 32 columns holds them so already
         groups = torch.cat([groups, codes[:, full // 2 :].view(torch.int32).reshape(rows, 1, 4)], dim=1)
     return groups
