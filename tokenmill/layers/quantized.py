@@ -229,8 +229,7 @@ def pack_nibbles(u: torch.Tensor) -> torch.Tensor:
 def _unpacked_quads(q: QuantizedWeight, pad: int) -> torch.Tensor:
     """The interleaved codes [B, groups, G / 4 quads (4-bit: G / 8 bytes of two), 16 rows, 4], from
     the codes unpacked (pad zero rows added)."""
-    rows, cols = q.shape
-    group = q.group_size
+    cols, group = q.shape[1], q.group_size
     u = torch.cat([q.unpacked_codes(), q.codes.new_zeros(pad, cols)]) if pad else q.unpacked_codes()
     quads = u.view(-1, LANES, cols // group, group // 4, 4).permute(0, 2, 3, 1, 4)  # [B, groups, quads, 16, 4]
     if q.bits == 4:

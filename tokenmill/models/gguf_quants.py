@@ -45,7 +45,7 @@ def _q4_codes(qs: np.ndarray) -> torch.Tensor:
     q = torch.from_numpy(np.ascontiguousarray(qs))
     rows, blocks, _ = q.shape
     pairs = blocks // 2
-    codes = regroup_nibbles(q[:, : 2 * pairs].reshape(rows, pairs, 32)).reshape(rows, -1)  # blocks 2c, 2c + 1: chunk c
+    codes = regroup_nibbles(q[:, : 2 * pairs].reshape(rows, pairs, 32)).reshape(rows, -1)  # blocks 2c, 2c+1: chunk c
     return torch.cat([codes, q[:, -1]], dim=1) if blocks % 2 else codes
 
 

@@ -161,7 +161,8 @@ def serve(options: ServeOptions) -> int:
             _import_http_stack()  # meanwhile too
             engine = client.wait_ready(early.for_engine, _grammar_compiler)
             return _serve(options, AsyncLLMEngine(core=client, **_engine_options(options)), engine.info.peaks,
-                          engine.info.dtype, chat_template, measure_here=False, kv_cache_dtype=engine.info.kv_cache_dtype,
+                          engine.info.dtype, chat_template, measure_here=False,
+                          kv_cache_dtype=engine.info.kv_cache_dtype,
                           server_tokenizer=early.server_copy_of(engine.tokenizer))
         finally:
             client.shutdown()
@@ -341,7 +342,8 @@ def _serve(options: ServeOptions, async_engine: AsyncLLMEngine, peaks: DevicePea
         metrics.replica_source = replicas.statuses
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
-    ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts, own_tokenizer=server_tokenizer,
+    ctx = ServerContext(async_engine, model_name, metrics, log_prompts=options.log_prompts,
+                        own_tokenizer=server_tokenizer,
                         model_aliases=frozenset({options.model} if options.model else ()),
                         tool_call_parser=options.tool_call_parser,
                         reasoning_parser=None if options.reasoning_parser is None

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive
@@ -47,7 +47,7 @@ class ServerContext:
     tool_call_parser: str | None = None  # --tool-call-parser; default: the chat template's format
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     stats_feed: StatsFeed | None = None  # the console's feed, set by build_app
-    own_tokenizer: object | None = None  # `inputs`' tokenizer if made ahead; else a copy of the engine's, made here
+    own_tokenizer: InitVar[object | None] = None  # `inputs`' tokenizer if made ahead; else a copy of the engine's
     # The server's own tokenizer copy, used only on one worker thread (off_loop): HF fast tokenizers
     # are not safe to share across threads, and a large prompt must not stall the event loop.
     inputs: InputProcessor = field(init=False)
@@ -56,10 +56,9 @@ class ServerContext:
     _grammar_thread: ThreadPoolExecutor = field(init=False)
     _max_token_chars: Future[int] = field(init=False)
 
-    def __post_init__(self) -> None:
-        if self.own_tokenizer is None:
-            self.own_tokenizer = copy.deepcopy(self.engine.engine.tokenizer)
-        self.inputs = InputProcessor(self.own_tokenizer)
+    def __post_init__(self, own_tokenizer: object | None) -> None:
+        tokenizer = copy.deepcopy(self.engine.engine.tokenizer) if own_tokenizer is None else own_tokenizer
+        self.inputs = InputProcessor(tokenizer)
         self.tool_parser = choose_tool_parser(self.inputs.tokenizer.chat_template, self.tool_call_parser)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
         self._grammar_thread = ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
