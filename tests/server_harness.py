@@ -135,10 +135,11 @@ def read_event(response: http.client.HTTPResponse) -> dict | str | None:
 
 
 def start_server(args: list[str], log_dir: Path, api_key: str | None = None, timeout: float = 240,
-                 prelude: str | None = None) -> ServerProcess:
+                 prelude: str | None = None, env: dict[str, str] | None = None) -> ServerProcess:
     """Start `tokenmill serve ARGS` on a free port and wait until /health answers.
 
     prelude: Python run in the server process before it starts (to inject a fault).
+    env: variables set for the server on top of this process's.
     """
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
@@ -149,7 +150,7 @@ def start_server(args: list[str], log_dir: Path, api_key: str | None = None, tim
         command = [sys.executable, "-c", f"{prelude}\nimport sys\nfrom tokenmill.cli import main\n"
                    f"sys.exit(main({cli_args!r}))"]
     # the server may measure the CPU while idle: keep its figures out of the user's cache
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TOKENMILL_CACHE_DIR": str(log_dir)}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TOKENMILL_CACHE_DIR": str(log_dir), **(env or {})}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(process, port, log_path, api_key)

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 from server_harness import child_pids, free_port, read_event, start_server, wait_until
 
-from tokenmill.engine import wire
+from tokenmill.engine import engine_process, wire
 from tokenmill.engine.engine_info import EngineStats
 from tokenmill.engine.engine_loop import AddCommand, StepResult, without_prompts
 from tokenmill.engine.kv_cache_manager import KVCacheStats
@@ -158,10 +161,42 @@ def test_a_killed_engine_process_fails_in_flight_requests_and_ends_the_server(ti
 
 
 def test_the_engine_process_does_not_outlive_its_server(tiny_llama_dir, tmp_path):
-    server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path)
-    engine_pid = _engine_pid(server)
-    server.stop(signal.SIGKILL)  # no drain, no STOP: the kernel tells the engine (PR_SET_PDEATHSIG)
-    assert wait_until(lambda: not os.path.exists(f"/proc/{engine_pid}") or _is_zombie(engine_pid), 10)
+    temp = Path(tempfile.mkdtemp(prefix="tm-"))  # short: a socket's path has at most 107 bytes
+    try:
+        server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path,
+                              env={"TMPDIR": str(temp)})
+        engine_pid = _engine_pid(server)
+        assert list(temp.iterdir()) == []  # the sockets' files went once the engine had connected
+        assert _complete(server, "A paged cache holds")
+        server.stop(signal.SIGKILL)  # no drain, no STOP: the kernel tells the engine (PR_SET_PDEATHSIG)
+        assert wait_until(lambda: not os.path.exists(f"/proc/{engine_pid}") or _is_zombie(engine_pid), 10)
+        assert list(temp.iterdir()) == []
+    finally:
+        shutil.rmtree(temp)
+
+
+def test_the_engine_says_ready_only_once_its_commands_socket_is_connected():
+    """The server removes the sockets' files on READY: a connection not yet made then never would be."""
+    temp = Path(tempfile.mkdtemp(prefix="tm-"))
+    context = zmq.Context()
+    try:
+        address = f"ipc://{temp}/commands"
+        alone = context.socket(zmq.PULL)
+        monitor = alone.get_monitor_socket(zmq.EVENT_CONNECTED)
+        alone.connect(address)
+        assert not engine_process._connected(alone, monitor, 300)  # nobody bound there
+        engine_side = context.socket(zmq.PULL)
+        monitor = engine_side.get_monitor_socket(zmq.EVENT_CONNECTED)
+        engine_side.connect(address)  # before the server binds, as a fork can
+        server_side = context.socket(zmq.PUSH)
+        server_side.bind(address)
+        assert engine_process._connected(engine_side, monitor, 5000)
+        shutil.rmtree(temp)
+        server_side.send(b"after the files went")
+        assert engine_side.recv() == b"after the files went"
+    finally:
+        context.destroy(linger=0)  # closes what a failed assertion left open
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_a_drained_server_stops_its_engine_process(tiny_llama_dir, tmp_path):
@@ -189,6 +224,7 @@ def test_an_engine_that_cannot_load_is_a_one_line_error(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("tokenmill: error: ") and "broken.gguf" in last
     assert "Traceback" not in result.stderr
+    assert "did not stop" not in result.stderr  # the failed engine process exits by itself
 
 
 class _PromptlessCore:

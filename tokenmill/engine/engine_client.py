@@ -80,7 +80,7 @@ class EngineProcessClient:
     def __init__(self, args: EngineProcessArgs, process: ForkedProcess, directory: Path | None = None) -> None:
         self.args = args
         self.process = process
-        self._directory = directory  # where the IPC sockets live (removed at shutdown)
+        self._directory = directory  # where the IPC sockets' files live until the engine is connected
         self._context, self._commands, self._results = self._open_sockets(args)
         self._poller = zmq.Poller()  # one for every receive: Socket.poll builds and registers a new one each call
         self._poller.register(self._results, zmq.POLLIN)
@@ -107,7 +107,13 @@ class EngineProcessClient:
         self._commands.close(linger=0)
         self._results.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._directory, ignore_errors=True)
+        self._remove_socket_files()
+
+    def _remove_socket_files(self) -> None:
+        """Connected sockets live on without their files: removed once the engine is connected, a
+        server killed outright (SIGKILL) leaves nothing behind in the temp directory."""
+        if self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
 
     @classmethod
     def start(cls, config: EngineConfig, peak_tflops: float | None = None, peak_bandwidth_gbs: float | None = None,
@@ -136,7 +142,8 @@ class EngineProcessClient:
             if kind == wire.FAILED:
                 error = wire.from_wire_error(payload)
                 raise error if isinstance(error, TokenmillError) else ModelLoadError(str(error))
-            if kind == wire.READY:
+            if kind == wire.READY:  # both connections made (the engine waits for its commands one)
+                self._remove_socket_files()
                 tokenizer = load_tokenizer(payload)
                 self.engine = RemoteEngine(payload, tokenizer, make_grammars(tokenizer, payload))
                 return self.engine

@@ -23,10 +23,12 @@ from tokenmill.engine import wire
 from tokenmill.engine.device_peaks import DevicePeaks, known_peaks, measure_cpu_when_idle
 from tokenmill.engine.engine_info import EngineInfo
 from tokenmill.engine.engine_loop import EngineLoop, without_prompts
+from tokenmill.errors import ModelLoadError
 
 logger = logging.getLogger("tokenmill.engine")
 
 PR_SET_PDEATHSIG = 1
+CONNECT_TIMEOUT_MS = 10_000  # the server binds right after forking this process: only a broken server takes long
 
 
 @dataclass
@@ -60,6 +62,7 @@ def run_engine_process(args: EngineProcessArgs) -> None:
     results = context.socket(zmq.PUSH)
     results.connect(args.results_address)
     commands = context.socket(zmq.PULL)
+    commands_connected = commands.get_monitor_socket(zmq.EVENT_CONNECTED)
     commands.connect(args.commands_address)
     codec = wire.Codec()
     send_lock = threading.Lock()  # the results socket is shared by the loop and the peaks probe
@@ -78,9 +81,13 @@ def run_engine_process(args: EngineProcessArgs) -> None:
             logger.debug("engine start failed", exc_info=exc)
             send(wire.FAILED, wire.to_wire_error(exc))
             return
+        if not _connected(commands, commands_connected, CONNECT_TIMEOUT_MS):
+            send(wire.FAILED, wire.to_wire_error(ModelLoadError("the engine process could not connect to the server")))
+            return
         status = _serve(engine, args, send, reader, parent)
     finally:
         reader.stop()
+        commands_connected.close(linger=0)  # else context.term() would wait for it
         commands.close(linger=0)
         results.close(linger=2000)  # the last messages (DEAD) still reach the server
         context.term()
@@ -157,6 +164,16 @@ class CommandReader:
                 loop.submit(self.codec.decode(kind, payload))
             except Exception:  # a message we cannot read is the server's bug: say so, keep serving
                 logger.exception("engine process: unreadable %r message", kind[:16])
+
+
+def _connected(socket: zmq.Socket, monitor: zmq.Socket, timeout_ms: int) -> bool:
+    """Whether `socket` has connected (within timeout_ms). READY waits for it: once READY arrives the
+    server removes the socket files, which a connection still being made would need."""
+    try:
+        return bool(monitor.poll(timeout_ms))
+    finally:
+        socket.disable_monitor()
+        monitor.close(linger=0)
 
 
 def _die_with_parent() -> None:
