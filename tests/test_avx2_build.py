@@ -27,6 +27,10 @@ TESTS = Path(__file__).parent
 AVX2_TEST_FILES = ["test_decode_attention_rows.py", "test_decode_plan.py", "test_fused_ops.py", "test_quantized.py",
                    "test_tensor_parallel.py", "test_invariance.py",
                    "test_default_model.py::test_default_path_follows_transformers_up_to_near_ties"]
+# servers and launchers, whose processes the suite itself tests: ~40 s here with nothing of the AVX2 build's own
+NOT_AVX2_SPECIFIC = ["test_tensor_parallel.py::test_server_tp3_on_the_default_model",
+                     "test_tensor_parallel.py::test_torchrun_launch_is_the_same_code_path",
+                     "test_tensor_parallel.py::test_server_ends_with_a_clear_error_when_a_worker_dies"]
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,6 +48,7 @@ def test_the_avx2_builds_tests_pass_on_this_cpu():
     # the AVX-512 extension declines, the AVX2 one builds: the files below run the AVX2 paths
     assert probe.stdout.split() == ["False", "True", "True"], probe.stdout + probe.stderr[-2000:]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(TESTS / f) for f in AVX2_TEST_FILES)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(TESTS / f) for f in AVX2_TEST_FILES),
+         *(f"--deselect={TESTS.name}/{test}" for test in NOT_AVX2_SPECIFIC)],
         env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
