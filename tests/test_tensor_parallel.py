@@ -156,7 +156,8 @@ def test_torchrun_launch_is_the_same_code_path(tiny_llama_dir, tmp_path):
                             timeout=120)
     torchrun = Path(sys.executable).with_name("torchrun")
     launched = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
-                               "-m", "tokenmill.cli", *args], capture_output=True, text=True, timeout=300)
+                               "-m", "tokenmill.cli", *args], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})  # torchrun leaves its directory
     assert single.returncode == 0 and launched.returncode == 0, launched.stderr[-2000:]
     assert launched.stdout.strip() == single.stdout.strip() != ""
 
