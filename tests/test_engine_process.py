@@ -162,6 +162,7 @@ def test_a_killed_engine_process_fails_in_flight_requests_and_ends_the_server(ti
 
 def test_the_engine_process_does_not_outlive_its_server(tiny_llama_dir, tmp_path):
     temp = Path(tempfile.mkdtemp(prefix="tm-"))  # short: a socket's path has at most 107 bytes
+    server = None
     try:
         server = start_server(["--model", str(tiny_llama_dir), "--dtype", "float32"], tmp_path,
                               env={"TMPDIR": str(temp)})
@@ -172,6 +173,8 @@ def test_the_engine_process_does_not_outlive_its_server(tiny_llama_dir, tmp_path
         assert wait_until(lambda: not os.path.exists(f"/proc/{engine_pid}") or _is_zombie(engine_pid), 10)
         assert list(temp.iterdir()) == []
     finally:
+        if server is not None:
+            server.stop(signal.SIGKILL)  # a failed assertion above leaves no server running
         shutil.rmtree(temp)
 
 
