@@ -179,6 +179,7 @@ def test_prefills_with_nothing_cached_skip_the_padded_bucket(monkeypatch):
                              dtype=torch.bfloat16, device=torch.device("cpu"))
     # a fresh prompt, a decode, a chunk after 32 cached tokens, another fresh prompt
     steps = ([5, 1, 7, 3], [0, 9, 32, 0], [[1], [2], [3, 4, 5], [6]], geometry)
+    monkeypatch.setattr(attention, "_rows_kernel_available", lambda: False)  # as on the AVX-512 build
     monkeypatch.setattr(attention, "_prefill_kernel_available", lambda: True)
     md = CpuPagedAttention().build_metadata(*steps)
     assert md.fresh_prefills == [(0, 5), (13, 3)]  # (first flat token, tokens)
