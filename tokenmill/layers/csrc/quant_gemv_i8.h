@@ -196,6 +196,7 @@ inline const float* code_offsets(const float* o, const float* s, int64_t groups,
 template <int ROWS, int BITS, bool TWO_PARTS>
 inline void group32(__m256i codes, const int8_t* q1, const int8_t* q2, int64_t K, const float* scale_products,
                     int64_t groups, __m256* acc) {
+#pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
     acc[r] = add_group<BITS, TWO_PARTS>(codes, q1 + r * K, TWO_PARTS ? q2 + r * K : nullptr,
                                         _mm256_broadcast_ss(scale_products + r * groups), acc[r]);
@@ -250,10 +251,12 @@ inline void outputs_g32(const QuantizedActivations& a, int64_t row0, const uint8
     }
   }
   __m256 acc[NR][ROWS];
+#pragma GCC unroll 8
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < ROWS; ++r) acc[j][r] = _mm256_setzero_ps();
   for (int64_t c = 0; c < full; c += kChunk) {
     const int64_t g = c / 32;
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       __m256i first, second;
       if constexpr (BITS == 8) {
@@ -271,13 +274,16 @@ inline void outputs_g32(const QuantizedActivations& a, int64_t row0, const uint8
     }
   }
   if (full < K) {  // a final 32-column chunk
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j)
       group32<ROWS, BITS, TWO_PARTS>(load_codes32(w[j], full, K, BITS), q1 + full, TWO_PARTS ? q2 + full : nullptr,
                                      K, products + j * ROWS * groups + groups - 1, groups, acc[j]);
   }
   float* shifted = buf + (2 + ROWS) * block;
+#pragma GCC unroll 8
   for (int j = 0; j < NR; ++j) {
     const float* offset = code_offsets<BITS>(o + j * groups, s + j * groups, groups, shifted);
+#pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) out[r * out_stride + n + j] = finish_pair(acc[j][r], offset, sums + r * groups, groups);
   }
 }
