@@ -177,14 +177,19 @@ inline void tile_i8_g32(const QuantizedActivations& a, int64_t m, const uint8_t*
   const float* sx = a.scale.data() + m * groups;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[MR][NR];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
   auto group = [&](const __m256i* codes, int64_t g) {
     const int64_t col = g * 32;
     __m256 w_scale[NR];
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) w_scale[j] = _mm256_broadcast_ss(ws + j * groups + g);
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 x_scale = _mm256_broadcast_ss(sx + r * groups + g);
+#pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         acc[r][j] = add_group<BITS, TWO_PARTS>(codes[j], q1 + r * K + col, TWO_PARTS ? q2 + r * K + col : nullptr,
                                                _mm256_mul_ps(w_scale[j], x_scale), acc[r][j]);
@@ -193,6 +198,7 @@ inline void tile_i8_g32(const QuantizedActivations& a, int64_t m, const uint8_t*
   };
   for (int64_t c = 0; c < full; c += kChunk) {
     __m256i first[NR], second[NR];
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       if constexpr (BITS == 8) {
         first[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * row_bytes + c));
@@ -208,10 +214,13 @@ inline void tile_i8_g32(const QuantizedActivations& a, int64_t m, const uint8_t*
   }
   if (full < K) {  // a final 32-column chunk
     __m256i last[NR];
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) last[j] = load_codes32(w + j * row_bytes, full, K, BITS);
     group(last, groups - 1);
   }
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       out[(m + r) * out_stride + n + j] =
           finish_pair(acc[r][j], offsets + j * groups, a.sums.data() + (m + r) * groups, groups);
