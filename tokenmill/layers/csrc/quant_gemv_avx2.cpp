@@ -176,7 +176,7 @@ inline void tile_i8_g32(const QuantizedActivations& a, int64_t m, const uint8_t*
   const int8_t* q2 = TWO_PARTS ? a.q2.data() + m * K : nullptr;
   const float* sx = a.scale.data() + m * groups;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  __m256 acc[MR][NR];
+  __m256 acc[MR][NR];  // in registers as far as they go: the loops over r and j unrolled in full (outputs_g32)
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8

@@ -250,6 +250,8 @@ inline void outputs_g32(const QuantizedActivations& a, int64_t row0, const uint8
         _mm_prefetch(reinterpret_cast<const char*>(w[j] + kAhead * row_bytes + b), _MM_HINT_T1);
     }
   }
+  // Every loop over j and r is unrolled in full (the pragmas): with one left rolled, GCC keeps acc
+  // in a stack array, a store every step and a multiply-add chain through memory.
   __m256 acc[NR][ROWS];
 #pragma GCC unroll 8
   for (int j = 0; j < NR; ++j)
