@@ -57,7 +57,7 @@ def main() -> None:
     linears = first_layer_linears(dtype, args.dtype == "auto")
     torch.manual_seed(0)
     results = []
-    print(f"\n{'linear':<9}{'N x K':>12}{'M':>6}{'ours ms':>10}{'GFLOP/s':>9}{'oneDNN ms':>11}{'GFLOP/s':>9}"
+    print(f"\n{'linear':<13}{'N x K':>12}{'M':>6}{'ours ms':>10}{'GFLOP/s':>9}{'oneDNN ms':>11}{'GFLOP/s':>9}"
           f"{'ours/oneDNN':>13}")
     for name, module in linears.items():
         dense = module.qweight.dequantize(dtype)
@@ -73,7 +73,7 @@ def main() -> None:
                             "onednn_ms": baseline * 1e3, "ours_gflops": flops / ours / 1e9,
                             "onednn_gflops": flops / baseline / 1e9, "speedup_vs_onednn": baseline / ours})
             r = results[-1]
-            print(f"{name:<9}{f'{n} x {k}':>12}{m:>6}{r['ours_ms']:>10.2f}{r['ours_gflops']:>9.1f}"
+            print(f"{name:<13}{f'{n} x {k}':>12}{m:>6}{r['ours_ms']:>10.2f}{r['ours_gflops']:>9.1f}"
                   f"{r['onednn_ms']:>11.2f}{r['onednn_gflops']:>9.1f}{r['speedup_vs_onednn']:>12.2f}x")
     totals = {}
     for m in args.rows:
@@ -82,8 +82,8 @@ def main() -> None:
         flops = sum(2 * m * r["n"] * r["k"] for r in results if r["rows"] == m)
         totals[m] = {"ours_ms": ours, "onednn_ms": base, "ours_gflops": flops / ours / 1e6,
                      "speedup_vs_onednn": base / ours}
-        print(f"{'layer':<9}{'':>12}{m:>6}{ours:>10.2f}{flops / ours / 1e6:>9.1f}{base:>11.2f}{flops / base / 1e6:>9.1f}"
-              f"{base / ours:>12.2f}x")
+        print(f"{'layer':<13}{'':>12}{m:>6}{ours:>10.2f}{flops / ours / 1e6:>9.1f}{base:>11.2f}"
+              f"{flops / base / 1e6:>9.1f}{base / ours:>12.2f}x")
     print(json.dumps({"benchmark": "quant_matmul", "dtype": str(dtype).removeprefix("torch."),
                       "weights": type(next(iter(linears.values())).qweight).__name__, "results": results,
                       "layer": totals}))
